@@ -1,0 +1,136 @@
+"""KVCacheManager: the paged KV cache in terms of requests (the scheduler never touches blocks)."""
+from replica.kv_cache.block import KVCacheBlock, KVCacheBlocks
+from replica.kv_cache.block_pool import BlockPool
+from replica.kv_cache.events import KVEvent
+from replica.kv_cache.hashing import BlockHash, hash_token_blocks
+from replica.request import Request, RequestStatus
+
+_ADMISSIONS = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True,
+                 watermark: float = 0.0, max_model_len: int | None = None, hash_seed: int = 0):
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.max_model_len = max_model_len if max_model_len is not None else num_blocks * block_size
+        self.hash_seed = hash_seed
+        self.watermark_blocks = int(watermark * num_blocks)
+        self.block_pool = BlockPool(num_blocks, block_size)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}  # per request: leading blocks already in the cache
+        self.num_requests_scheduled_this_step = 0
+        self._no_blocks = KVCacheBlocks([])
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    def new_step_starts(self) -> None:
+        self.num_requests_scheduled_this_step = 0
+
+    def update_block_hashes(self, request: Request) -> None:
+        """Extend request.block_hashes over its full blocks that lack a hash (O(new blocks))."""
+        if len(request.block_hashes) < request.num_tokens // self.block_size:
+            request.block_hashes.extend(hash_token_blocks(
+                request.all_token_ids, self.block_size, cache_salt=request.cache_salt,
+                seed=self.hash_seed, parent_hashes=request.block_hashes))
+
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        """The longest chain of cached full blocks, leaving at least one token to compute."""
+        if not self.enable_caching:
+            return self._no_blocks, 0
+        self.update_block_hashes(request)
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return KVCacheBlocks(hits), len(hits) * self.block_size
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
+                       new_computed_blocks: KVCacheBlocks | None = None,
+                       num_lookahead_tokens: int = 0,
+                       full_sequence_must_fit: bool = False) -> KVCacheBlocks | None:
+        """Slots for num_new_tokens more tokens; None, with nothing changed, when the pool is short."""
+        if num_new_tokens <= 0:
+            raise ValueError(f"num_new_tokens must be positive, got {num_new_tokens}")
+        computed_blocks = new_computed_blocks.blocks if new_computed_blocks is not None else []
+        req_blocks = self.req_to_blocks.get(request.request_id, [])
+        num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
+        num_tokens_need_slot = min(num_computed_tokens + num_new_tokens + num_lookahead_tokens,
+                                   self.max_model_len)
+        num_blocks_to_allocate = self._num_blocks_to_allocate(
+            req_blocks, computed_blocks, num_tokens_need_slot)
+        if num_blocks_to_allocate or computed_blocks or full_sequence_must_fit:
+            if not self._can_allocate(request, req_blocks, computed_blocks, num_blocks_to_allocate,
+                                      full_sequence_must_fit):
+                return None
+            req_blocks = self.req_to_blocks.setdefault(request.request_id, req_blocks)
+            self.block_pool.touch(computed_blocks)
+            req_blocks.extend(computed_blocks)
+            new_blocks = self.block_pool.get_new_blocks(num_blocks_to_allocate)
+            req_blocks.extend(new_blocks)
+        else:
+            new_blocks = None
+        self.num_requests_scheduled_this_step += 1
+        if self.enable_caching:
+            self._cache_full_blocks(request, req_blocks, min(num_computed_tokens + num_new_tokens,
+                                                            request.num_tokens))
+        return KVCacheBlocks(new_blocks) if new_blocks else self._no_blocks
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first, so its prefix stays cached the longest."""
+        blocks = self.req_to_blocks.pop(request.request_id, None)
+        self.num_cached_blocks.pop(request.request_id, None)
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()
+
+    def take_events(self) -> list[KVEvent]:
+        return self.block_pool.take_events()
+
+    def cached_block_hashes(self) -> list[BlockHash]:
+        return list(self.block_pool.cached_block_hash_to_block)
+
+    def _num_blocks_to_allocate(self, req_blocks: list[KVCacheBlock],
+                                computed_blocks: list[KVCacheBlock], num_tokens: int) -> int:
+        num_required = -(-num_tokens // self.block_size)
+        return max(0, num_required - len(req_blocks) - len(computed_blocks))
+
+    def _can_allocate(self, request: Request, req_blocks: list[KVCacheBlock],
+                      computed_blocks: list[KVCacheBlock], num_blocks_to_allocate: int,
+                      full_sequence_must_fit: bool) -> bool:
+        # Touching a hit with ref_cnt 0 takes it out of the free queue, so it costs a free block.
+        num_evictable_hits = sum(1 for block in computed_blocks if block.ref_cnt == 0)
+        watermark = self.watermark_blocks if (
+            self.num_requests_scheduled_this_step and request.status in _ADMISSIONS) else 0
+        if full_sequence_must_fit:
+            full_tokens = min(request.num_tokens, self.max_model_len)
+            num_full_blocks = self._num_blocks_to_allocate(req_blocks, computed_blocks, full_tokens)
+            num_blocks_to_allocate = max(num_blocks_to_allocate, num_full_blocks)
+        required = num_blocks_to_allocate + num_evictable_hits + watermark
+        return required <= self.block_pool.get_num_free_blocks()
+
+    def _cache_full_blocks(self, request: Request, req_blocks: list[KVCacheBlock],
+                           num_tokens_to_cache: int) -> None:
+        num_full_blocks = num_tokens_to_cache // self.block_size
+        num_cached = self.num_cached_blocks.get(request.request_id, 0)
+        if num_full_blocks <= num_cached:
+            return
+        self.update_block_hashes(request)
+        self.block_pool.cache_full_blocks(req_blocks, request.block_hashes, request.all_token_ids,
+                                          num_cached, num_full_blocks)
+        self.num_cached_blocks[request.request_id] = num_full_blocks

@@ -1,0 +1,60 @@
+"""What the scheduler hands the model runner each step, and what comes back."""
+from dataclasses import dataclass, field
+
+from replica.request import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request scheduled for the first time: everything the runner needs to start it."""
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int  # prefix-cache hit
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """Requests the runner has seen before: only what changed since the last step."""
+    req_ids: list[str] = field(default_factory=list)
+    resumed_req_ids: set[str] = field(default_factory=set)  # preempted earlier, re-admitted now
+    new_block_ids: list[list[int]] = field(default_factory=list)  # all block ids for a resumed request
+    num_computed_tokens: list[int] = field(default_factory=list)
+    all_token_ids: dict[str, list[int]] = field(default_factory=dict)  # resumed requests only
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    preempted_req_ids: set[str]
+    finished_req_ids: set[str]  # finished since the previous step: the runner drops their state
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]  # [] for a partial prefill
+    logprobs: list[list[float]] | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_preemptions: int       # cumulative
+    prefix_cache_queries: int  # tokens looked up at admission, cumulative
+    prefix_cache_hits: int     # tokens found in the prefix cache, cumulative

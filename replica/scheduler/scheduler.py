@@ -1,0 +1,269 @@
+"""The vLLM-V1-style scheduler: one token budget per step shared by prefills and decodes.
+
+Each step: running requests first (preempting by recompute when the KV cache is short), then
+waiting requests, only if nothing was preempted. There are no prefill or decode phases: every
+request just advances num_computed_tokens towards num_tokens.
+"""
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from replica.kv_cache import KVCacheManager
+from replica.request import Request, RequestStatus
+from replica.scheduler.config import SchedulerConfig
+from replica.scheduler.output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
+                                      RequestOutput, SchedulerOutput, SchedulerStats)
+from replica.scheduler.request_queue import create_request_queue
+from replica.scheduler.trace import SchedulerTrace
+
+
+@dataclass
+class _StepPlan:
+    """One step's decisions while schedule() builds them."""
+    token_budget: int
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    running: list[tuple[Request, list[int]]] = field(default_factory=list)  # (request, new block ids)
+    resumed: list[tuple[Request, list[int]]] = field(default_factory=list)  # (request, all block ids)
+    new: list[tuple[Request, list[int]]] = field(default_factory=list)      # (request, all block ids)
+    preempted: list[str] = field(default_factory=list)
+    prefix_hits: dict[str, tuple[int, int]] = field(default_factory=dict)   # for the trace
+
+    def add(self, group: list, request: Request, num_tokens: int, block_ids: list[int]) -> None:
+        group.append((request, block_ids))
+        self.num_scheduled_tokens[request.request_id] = num_tokens
+        self.token_budget -= num_tokens
+
+    def undo_running(self, request: Request) -> None:
+        self.token_budget += self.num_scheduled_tokens.pop(request.request_id)
+        self.running = [entry for entry in self.running if entry[0] is not request]
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(config.policy)
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()  # since the last schedule()
+        self.num_preemptions = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self._trace = SchedulerTrace.from_env()
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if request.num_prompt_tokens >= self.config.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt of {request.num_prompt_tokens} tokens leaves no room "
+                f"to generate within max_model_len={self.config.max_model_len}")
+        self.waiting.add(request)
+        self.requests[request.request_id] = request
+
+    def schedule(self) -> SchedulerOutput:
+        plan = _StepPlan(self.config.max_num_batched_tokens)
+        self.kv_cache_manager.new_step_starts()
+        self._schedule_running(plan)
+        if not plan.preempted:
+            self._schedule_waiting(plan)
+        output = self._make_output(plan)
+        for group in (plan.running, plan.resumed, plan.new):
+            for request, _ in group:
+                request.num_computed_tokens += plan.num_scheduled_tokens[request.request_id]
+        self.finished_req_ids = set()
+        if self._trace is not None:
+            self._record_trace(plan)
+        return output
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        index = 0
+        while index < len(self.running) and plan.token_budget > 0:
+            request = self.running[index]
+            num_new_tokens = min(self._num_new_tokens(request, request.num_computed_tokens),
+                                 plan.token_budget)
+            if num_new_tokens == 0:  # its last output has not come back yet, nothing to compute
+                index += 1
+                continue
+            while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_new_tokens)) is None:
+                victim_index = self._victim_index()
+                victim = self.running[victim_index]
+                self._preempt(victim_index, plan)
+                if victim is request:  # it is the least important itself: no progress this step
+                    return
+                if victim_index < index:
+                    index -= 1
+            plan.add(plan.running, request, num_new_tokens, new_blocks.get_block_ids())
+            index += 1
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        kv = self.kv_cache_manager
+        while self.waiting and plan.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            computed_blocks, num_computed_tokens = kv.get_computed_blocks(request)
+            num_new_tokens = self._num_new_tokens(request, num_computed_tokens)
+            if num_new_tokens > plan.token_budget:
+                if not self.config.enable_chunked_prefill:
+                    break  # the whole prompt must go in one step, and it does not fit this one
+                num_new_tokens = plan.token_budget
+            new_blocks = kv.allocate_slots(request, num_new_tokens, num_computed_tokens, computed_blocks,
+                                           full_sequence_must_fit=self.config.reserve_full_sequence)
+            if new_blocks is None:
+                break  # strict head-of-line: no skipping ahead, no preempting to admit
+            self.waiting.pop()
+            group = plan.resumed if request.status == RequestStatus.PREEMPTED else plan.new
+            self._admit(request, num_computed_tokens, plan)
+            plan.add(group, request, num_new_tokens, kv.get_block_ids(request.request_id))
+
+    def _num_new_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        """The request's uncomputed gap, before the step's remaining budget is applied."""
+        num_new_tokens = request.num_tokens - num_computed_tokens
+        threshold = self.config.long_prefill_token_threshold
+        if 0 < threshold < num_new_tokens:
+            num_new_tokens = threshold
+        return min(num_new_tokens, self.config.max_model_len - 1 - num_computed_tokens)
+
+    def _admit(self, request: Request, num_computed_tokens: int, plan: _StepPlan) -> None:
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_computed_tokens
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_computed_tokens
+        self.running.append(request)
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += num_computed_tokens
+        plan.prefix_hits[request.request_id] = (request.num_tokens, num_computed_tokens)
+
+    def _victim_index(self) -> int:
+        if self.config.policy == "priority":
+            return max(range(len(self.running)),
+                       key=lambda i: (self.running[i].priority, self.running[i].arrival_time))
+        return len(self.running) - 1
+
+    def _preempt(self, index: int, plan: _StepPlan) -> None:
+        """Preemption by recompute: drop every block and start over from token 0 later."""
+        victim = self.running.pop(index)
+        if victim.request_id in plan.num_scheduled_tokens:
+            plan.undo_running(victim)
+        self.kv_cache_manager.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(victim)
+        plan.preempted.append(victim.request_id)
+
+    def _make_output(self, plan: _StepPlan) -> SchedulerOutput:
+        new_reqs = [NewRequestData(request.request_id, request.prompt_token_ids, request.sampling_params,
+                                   block_ids, request.num_computed_tokens)
+                    for request, block_ids in plan.new]
+        cached = CachedRequestData()
+        for request, block_ids in plan.running + plan.resumed:
+            cached.req_ids.append(request.request_id)
+            cached.new_block_ids.append(block_ids)
+            cached.num_computed_tokens.append(request.num_computed_tokens)
+        for request, _ in plan.resumed:
+            cached.resumed_req_ids.add(request.request_id)
+            cached.all_token_ids[request.request_id] = list(request.all_token_ids)
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=plan.num_scheduled_tokens,
+            total_num_scheduled_tokens=self.config.max_num_batched_tokens - plan.token_budget,
+            preempted_req_ids=set(plan.preempted),
+            finished_req_ids=self.finished_req_ids,
+        )
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_output: ModelRunnerOutput) -> list[RequestOutput]:
+        outputs = []
+        stopped: set[Request] = set()
+        for req_id, token_ids in zip(model_output.req_ids, model_output.sampled_token_ids):
+            request = self.requests.get(req_id)
+            if not token_ids or request is None or request.status != RequestStatus.RUNNING:
+                continue  # a partial prefill, or finished / preempted since it was scheduled
+            new_token_ids = self._append_until_stop(request, token_ids)
+            if request.is_finished():
+                stopped.add(request)
+                self._free_request(request)
+            else:
+                self.kv_cache_manager.update_block_hashes(request)
+            outputs.append(RequestOutput(req_id, new_token_ids, request.is_finished(),
+                                         request.get_finished_reason(), request.stop_reason))
+        if stopped:
+            self.running = [request for request in self.running if request not in stopped]
+        return outputs
+
+    def _append_until_stop(self, request: Request, token_ids: list[int]) -> list[int]:
+        """Append sampled tokens one by one; the rest are dropped once the request stops."""
+        for num_appended, token_id in enumerate(token_ids, 1):
+            request.append_output_token_ids(token_id)
+            if self._check_stop(request, token_id):
+                return token_ids[:num_appended]
+        return token_ids
+
+    def _check_stop(self, request: Request, token_id: int) -> bool:
+        params = request.sampling_params
+        if token_id == request.eos_token_id and not params.ignore_eos:
+            request.status = RequestStatus.FINISHED_STOPPED
+        elif token_id in params.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = token_id
+        elif (request.num_output_tokens >= params.max_tokens
+              or request.num_tokens >= self.config.max_model_len):
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        else:
+            return False
+        return True
+
+    def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
+        """Finish (e.g. abort) running or waiting requests and free their blocks; unknown ids are ignored."""
+        if not RequestStatus.is_finished(finished_status):
+            raise ValueError(f"{finished_status!r} is not a finished status")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        stopped: set[Request] = set()
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                stopped.add(request)
+            else:
+                self.waiting.remove(request)
+            request.status = finished_status
+            self._free_request(request)
+        if stopped:
+            self.running = [request for request in self.running if request not in stopped]
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    def make_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_usage=self.kv_cache_manager.usage,
+            num_preemptions=self.num_preemptions,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+        )
+
+    def _record_trace(self, plan: _StepPlan) -> None:
+        pool = self.kv_cache_manager.block_pool
+        self._trace.record(
+            num_waiting=len(self.waiting), num_running=len(self.running),
+            num_free_blocks=pool.get_num_free_blocks(),
+            num_cached_blocks=len(pool.cached_block_hash_to_block),
+            prefix_hits=plan.prefix_hits,
+            scheduled={name: {request.request_id: plan.num_scheduled_tokens[request.request_id]
+                              for request, _ in group}
+                       for name, group in (("running", plan.running), ("resumed", plan.resumed),
+                                           ("new", plan.new))},
+            preempted=plan.preempted)

@@ -1,0 +1,23 @@
+"""A fake model for driving the scheduler: every request that reached the end of its tokens samples one."""
+from replica.kv_cache import KVCacheManager
+from replica.scheduler import ModelRunnerOutput, Scheduler, SchedulerConfig, SchedulerOutput
+
+
+def make_scheduler(num_blocks: int = 100, block_size: int = 4, watermark: float = 0.0, **config) -> Scheduler:
+    config.setdefault("max_model_len", 256)
+    manager = KVCacheManager(num_blocks, block_size, watermark=watermark, max_model_len=config["max_model_len"])
+    return Scheduler(SchedulerConfig(**config), manager)
+
+
+def fake_model_output(scheduler: Scheduler, output: SchedulerOutput, token_id: int = 7) -> ModelRunnerOutput:
+    req_ids = list(output.num_scheduled_tokens)
+    sampled = []
+    for req_id in req_ids:
+        request = scheduler.requests[req_id]
+        sampled.append([token_id] if request.num_computed_tokens >= request.num_tokens else [])
+    return ModelRunnerOutput(req_ids, sampled)
+
+
+def step(scheduler: Scheduler, token_id: int = 7):
+    output = scheduler.schedule()
+    return output, scheduler.update_from_output(output, fake_model_output(scheduler, output, token_id))
