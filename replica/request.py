@@ -107,9 +107,11 @@ class Request:
 
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:
         if isinstance(token_ids, int):
-            token_ids = [token_ids]
-        self.output_token_ids.extend(token_ids)
-        self.all_token_ids.extend(token_ids)
+            self.output_token_ids.append(token_ids)
+            self.all_token_ids.append(token_ids)
+        else:
+            self.output_token_ids.extend(token_ids)
+            self.all_token_ids.extend(token_ids)
 
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)

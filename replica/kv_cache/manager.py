@@ -36,7 +36,7 @@ class KVCacheManager:
 
     def update_block_hashes(self, request: Request) -> None:
         """Extend request.block_hashes over its full blocks that lack a hash (O(new blocks))."""
-        if len(request.block_hashes) < request.num_tokens // self.block_size:
+        if len(request.block_hashes) < len(request.all_token_ids) // self.block_size:
             request.block_hashes.extend(hash_token_blocks(
                 request.all_token_ids, self.block_size, cache_salt=request.cache_salt,
                 seed=self.hash_seed, parent_hashes=request.block_hashes))
@@ -63,28 +63,24 @@ class KVCacheManager:
         if num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens must be positive, got {num_new_tokens}")
         computed_blocks = new_computed_blocks.blocks if new_computed_blocks is not None else []
-        req_blocks = self.req_to_blocks.get(request.request_id, [])
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
         num_tokens_need_slot = min(num_computed_tokens + num_new_tokens + num_lookahead_tokens,
                                    self.max_model_len)
-        num_blocks_to_allocate = self._num_blocks_to_allocate(
-            req_blocks, computed_blocks, num_tokens_need_slot)
-        if num_blocks_to_allocate or computed_blocks or full_sequence_must_fit:
-            if not self._can_allocate(request, req_blocks, computed_blocks, num_blocks_to_allocate,
-                                      full_sequence_must_fit):
+        num_held_blocks = len(self.req_to_blocks.get(request.request_id, ())) + len(computed_blocks)
+        num_blocks_to_allocate = -(-num_tokens_need_slot // self.block_size) - num_held_blocks
+        if num_blocks_to_allocate > 0 or computed_blocks or full_sequence_must_fit:
+            num_blocks_to_allocate = max(0, num_blocks_to_allocate)
+            if not self._can_allocate(request, computed_blocks, num_blocks_to_allocate, full_sequence_must_fit):
                 return None
-            req_blocks = self.req_to_blocks.setdefault(request.request_id, req_blocks)
-            self.block_pool.touch(computed_blocks)
-            req_blocks.extend(computed_blocks)
-            new_blocks = self.block_pool.get_new_blocks(num_blocks_to_allocate)
-            req_blocks.extend(new_blocks)
+            new_blocks = self._attach_blocks(request, computed_blocks, num_blocks_to_allocate)
         else:
-            new_blocks = None
+            new_blocks = self._no_blocks
         self.num_requests_scheduled_this_step += 1
         if self.enable_caching:
-            self._cache_full_blocks(request, req_blocks, min(num_computed_tokens + num_new_tokens,
-                                                            request.num_tokens))
-        return KVCacheBlocks(new_blocks) if new_blocks else self._no_blocks
+            num_full_blocks = min(num_computed_tokens + num_new_tokens, request.num_tokens) // self.block_size
+            if num_full_blocks > self.num_cached_blocks.get(request.request_id, 0):
+                self._cache_full_blocks(request, num_full_blocks)
+        return new_blocks
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so its prefix stays cached the longest."""
@@ -105,32 +101,31 @@ class KVCacheManager:
     def cached_block_hashes(self) -> list[BlockHash]:
         return list(self.block_pool.cached_block_hash_to_block)
 
-    def _num_blocks_to_allocate(self, req_blocks: list[KVCacheBlock],
-                                computed_blocks: list[KVCacheBlock], num_tokens: int) -> int:
-        num_required = -(-num_tokens // self.block_size)
-        return max(0, num_required - len(req_blocks) - len(computed_blocks))
-
-    def _can_allocate(self, request: Request, req_blocks: list[KVCacheBlock],
-                      computed_blocks: list[KVCacheBlock], num_blocks_to_allocate: int,
-                      full_sequence_must_fit: bool) -> bool:
+    def _can_allocate(self, request: Request, computed_blocks: list[KVCacheBlock],
+                      num_blocks_to_allocate: int, full_sequence_must_fit: bool) -> bool:
         # Touching a hit with ref_cnt 0 takes it out of the free queue, so it costs a free block.
         num_evictable_hits = sum(1 for block in computed_blocks if block.ref_cnt == 0)
         watermark = self.watermark_blocks if (
             self.num_requests_scheduled_this_step and request.status in _ADMISSIONS) else 0
         if full_sequence_must_fit:
-            full_tokens = min(request.num_tokens, self.max_model_len)
-            num_full_blocks = self._num_blocks_to_allocate(req_blocks, computed_blocks, full_tokens)
-            num_blocks_to_allocate = max(num_blocks_to_allocate, num_full_blocks)
+            num_held_blocks = len(self.req_to_blocks.get(request.request_id, ())) + len(computed_blocks)
+            num_full_blocks = -(-min(request.num_tokens, self.max_model_len) // self.block_size)
+            num_blocks_to_allocate = max(num_blocks_to_allocate, num_full_blocks - num_held_blocks)
         required = num_blocks_to_allocate + num_evictable_hits + watermark
         return required <= self.block_pool.get_num_free_blocks()
 
-    def _cache_full_blocks(self, request: Request, req_blocks: list[KVCacheBlock],
-                           num_tokens_to_cache: int) -> None:
-        num_full_blocks = num_tokens_to_cache // self.block_size
-        num_cached = self.num_cached_blocks.get(request.request_id, 0)
-        if num_full_blocks <= num_cached:
-            return
+    def _attach_blocks(self, request: Request, computed_blocks: list[KVCacheBlock],
+                       num_blocks_to_allocate: int) -> KVCacheBlocks:
+        req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        self.block_pool.touch(computed_blocks)
+        req_blocks.extend(computed_blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_blocks_to_allocate)
+        req_blocks.extend(new_blocks)
+        return KVCacheBlocks(new_blocks)
+
+    def _cache_full_blocks(self, request: Request, num_full_blocks: int) -> None:
         self.update_block_hashes(request)
-        self.block_pool.cache_full_blocks(req_blocks, request.block_hashes, request.all_token_ids,
-                                          num_cached, num_full_blocks)
+        self.block_pool.cache_full_blocks(self.req_to_blocks[request.request_id], request.block_hashes,
+                                          request.all_token_ids,
+                                          self.num_cached_blocks.get(request.request_id, 0), num_full_blocks)
         self.num_cached_blocks[request.request_id] = num_full_blocks

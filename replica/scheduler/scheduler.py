@@ -21,14 +21,15 @@ class _StepPlan:
     """One step's decisions while schedule() builds them."""
     token_budget: int
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    running: list[tuple[Request, list[int]]] = field(default_factory=list)  # (request, new block ids)
-    resumed: list[tuple[Request, list[int]]] = field(default_factory=list)  # (request, all block ids)
-    new: list[tuple[Request, list[int]]] = field(default_factory=list)      # (request, all block ids)
+    # (request, block ids, tokens): new block ids for running requests, all of them for the others
+    running: list[tuple[Request, list[int], int]] = field(default_factory=list)
+    resumed: list[tuple[Request, list[int], int]] = field(default_factory=list)
+    new: list[tuple[Request, list[int], int]] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     prefix_hits: dict[str, tuple[int, int]] = field(default_factory=dict)   # for the trace
 
     def add(self, group: list, request: Request, num_tokens: int, block_ids: list[int]) -> None:
-        group.append((request, block_ids))
+        group.append((request, block_ids, num_tokens))
         self.num_scheduled_tokens[request.request_id] = num_tokens
         self.token_budget -= num_tokens
 
@@ -68,8 +69,8 @@ class Scheduler:
             self._schedule_waiting(plan)
         output = self._make_output(plan)
         for group in (plan.running, plan.resumed, plan.new):
-            for request, _ in group:
-                request.num_computed_tokens += plan.num_scheduled_tokens[request.request_id]
+            for request, _, num_tokens in group:
+                request.num_computed_tokens += num_tokens
         self.finished_req_ids = set()
         if self._trace is not None:
             self._record_trace(plan)
@@ -154,13 +155,13 @@ class Scheduler:
     def _make_output(self, plan: _StepPlan) -> SchedulerOutput:
         new_reqs = [NewRequestData(request.request_id, request.prompt_token_ids, request.sampling_params,
                                    block_ids, request.num_computed_tokens)
-                    for request, block_ids in plan.new]
+                    for request, block_ids, _ in plan.new]
         cached = CachedRequestData()
-        for request, block_ids in plan.running + plan.resumed:
+        for request, block_ids, _ in plan.running + plan.resumed:
             cached.req_ids.append(request.request_id)
             cached.new_block_ids.append(block_ids)
             cached.num_computed_tokens.append(request.num_computed_tokens)
-        for request, _ in plan.resumed:
+        for request, _, _ in plan.resumed:
             cached.resumed_req_ids.add(request.request_id)
             cached.all_token_ids[request.request_id] = list(request.all_token_ids)
         return SchedulerOutput(
@@ -176,17 +177,20 @@ class Scheduler:
                            model_output: ModelRunnerOutput) -> list[RequestOutput]:
         outputs = []
         stopped: set[Request] = set()
+        requests = self.requests
+        update_block_hashes = self.kv_cache_manager.update_block_hashes
         for req_id, token_ids in zip(model_output.req_ids, model_output.sampled_token_ids):
-            request = self.requests.get(req_id)
+            request = requests.get(req_id)
             if not token_ids or request is None or request.status != RequestStatus.RUNNING:
                 continue  # a partial prefill, or finished / preempted since it was scheduled
             new_token_ids = self._append_until_stop(request, token_ids)
-            if request.is_finished():
+            finished = request.status != RequestStatus.RUNNING
+            if finished:
                 stopped.add(request)
                 self._free_request(request)
             else:
-                self.kv_cache_manager.update_block_hashes(request)
-            outputs.append(RequestOutput(req_id, new_token_ids, request.is_finished(),
+                update_block_hashes(request)
+            outputs.append(RequestOutput(req_id, new_token_ids, finished,
                                          request.get_finished_reason(), request.stop_reason))
         if stopped:
             self.running = [request for request in self.running if request not in stopped]
@@ -263,7 +267,7 @@ class Scheduler:
             num_cached_blocks=len(pool.cached_block_hash_to_block),
             prefix_hits=plan.prefix_hits,
             scheduled={name: {request.request_id: plan.num_scheduled_tokens[request.request_id]
-                              for request, _ in group}
+                              for request, _, _ in group}
                        for name, group in (("running", plan.running), ("resumed", plan.resumed),
                                            ("new", plan.new))},
             preempted=plan.preempted)
