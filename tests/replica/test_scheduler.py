@@ -260,3 +260,13 @@ def test_bad_input_is_rejected_and_nothing_enqueued(make_request):
 def test_invalid_sampling_params(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_watermark_holds_back_admissions_but_not_the_first(make_request):
+    scheduler = make_scheduler(num_blocks=11, block_size=4, watermark=0.2)  # 10 usable, 2 reserved
+    scheduler.add_request(make_request("a", list(range(28))))  # 7 blocks: alone, no watermark
+    scheduler.add_request(make_request("b", list(range(100, 104))))  # 1 block: 3 free - 2 reserved
+    scheduler.add_request(make_request("c", list(range(200, 208))))  # 2 blocks: 2 free - 2 reserved
+    output, _ = step(scheduler)
+    assert output.num_scheduled_tokens == {"a": 28, "b": 4}
+    assert [r.request_id for r in scheduler.waiting] == ["c"]
