@@ -1,0 +1,1 @@
+"""The Triton kernels, one module per op (importing any of them imports triton)."""

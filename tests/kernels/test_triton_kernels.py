@@ -1,0 +1,105 @@
+"""Each Triton kernel against its torch reference at small shapes.
+
+Without a GPU these run in the Triton interpreter on CPU tensors (conftest.py), which is slow:
+keep shapes small. Tolerances: fp32 2e-6 (same math, different summation order); fp16/bf16 one
+or two units in the last place of the output's magnitude.
+"""
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kernels import KernelOps, get_ops, rotary_cos_sin  # noqa: E402
+from tests.kernels.paged_batch import make_paged_batch  # noqa: E402
+
+triton_ops = get_ops("triton")
+torch_ops = get_ops("torch")
+
+ATTENTION_CASES = {
+    # name: (query_lens, context_lens, num_heads, num_kv_heads, block_size)
+    "prefill_chunks_gqa4": ([20, 3], [20, 35], 8, 2, 16),
+    "mixed_gqa3": ([1, 7, 1, 18], [50, 7, 16, 40], 6, 2, 32),
+    "mixed_mha_two_query_tiles": ([70, 1, 5], [100, 33, 5], 2, 2, 16),
+    "decode_only_gqa1": ([1, 1, 1], [1, 17, 64], 2, 2, 16),
+    "decode_only_gqa4": ([1, 1, 1, 1], [9, 32, 33, 80], 8, 2, 32),
+    "one_kv_head_group5": ([4, 1], [36, 20], 5, 1, 16),
+}
+TOLERANCE = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES)
+def test_paged_attention_matches_reference_fp32(case, device):
+    query_lens, context_lens, num_heads, num_kv_heads, block_size = ATTENTION_CASES[case]
+    batch = make_paged_batch(query_lens, context_lens, num_heads, num_kv_heads,
+                             block_size=block_size, device=device)
+    torch.testing.assert_close(triton_ops.paged_attention(*batch.args()),
+                               torch_ops.paged_attention(*batch.args()), atol=2e-6, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_paged_attention_16bit_matches_float64(dtype, device):
+    batch = make_paged_batch([5, 1, 20], [18, 30, 20], 6, 2, block_size=16, head_dim=32,
+                             dtype=dtype, device=device)
+    out = triton_ops.paged_attention(*batch.args())
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), batch.dense_attention(), atol=TOLERANCE[dtype], rtol=0)
+
+
+def test_paged_attention_reads_query_through_strides(device):
+    batch = make_paged_batch([6, 1], [6, 21], 4, 2, device=device)
+    # the query as the model produces it: a view into a fused [T, (Hq + 2 Hkv) * D] projection
+    fused = torch.randn(7, 8 * 16, device=device)
+    fused[:, :4 * 16] = batch.query.flatten(1)
+    batch.query = fused[:, :4 * 16].view(7, 4, 16)
+    torch.testing.assert_close(triton_ops.paged_attention(*batch.args()),
+                               torch_ops.paged_attention(*batch.args()), atol=2e-6, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_write_kv_cache_matches_reference(dtype, device):
+    key = torch.randn(7, 3, 24, device=device).to(dtype)
+    value = torch.randn(7, 3, 24, device=device).to(dtype)
+    slot_mapping = torch.tensor([5, -1, 40, 63, 0, 17, -1], device=device)
+    caches = [torch.randn(4, 16, 3, 24, device=device).to(dtype) for _ in range(2)]
+    expected = [cache.clone() for cache in caches]
+    triton_ops.write_kv_cache(key, value, *caches, slot_mapping)
+    torch_ops.write_kv_cache(key, value, *expected, slot_mapping)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_reference(dtype, with_residual, device):
+    x = torch.randn(5, 96, device=device).to(dtype)
+    weight = torch.randn(96, device=device).to(dtype)
+    residual = torch.randn(5, 96, device=device).to(dtype) if with_residual else None
+    out = triton_ops.rms_norm(x, weight, 1e-5, residual)
+    expected = torch_ops.rms_norm(x, weight, 1e-5, residual)
+    atol = TOLERANCE[dtype] * 4        # |out| reaches ~4 here
+    if with_residual:
+        torch.testing.assert_close(out[0], expected[0], atol=atol, rtol=0)
+        assert torch.equal(out[1], expected[1])
+    else:
+        torch.testing.assert_close(out, expected, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_apply_rotary_matches_reference(dtype, device):
+    # query and key as views into a fused projection, as the model produces them
+    fused = torch.randn(6, (6 + 2 * 2) * 32, device=device).to(dtype)
+    query = fused[:, :6 * 32].view(6, 6, 32)
+    key = fused[:, 6 * 32:8 * 32].view(6, 2, 32)
+    positions = torch.tensor([0, 3, 4, 5, 99, 17], device=device)
+    cache = rotary_cos_sin(32, 100, 10000.0, dtype, device)
+    out = triton_ops.apply_rotary(query, key, positions, cache)
+    expected = torch_ops.apply_rotary(query, key, positions, cache)
+    for got, want in zip(out, expected):
+        torch.testing.assert_close(got, want, atol=TOLERANCE[dtype], rtol=0)
+
+
+def test_triton_ops_are_exported_where_the_references_are():
+    from kernels.attention import paged_attention
+    from kernels.cache_write import write_kv_cache
+    from kernels.rms_norm import rms_norm
+    from kernels.rotary import apply_rotary
+    assert triton_ops == KernelOps(write_kv_cache, paged_attention, rms_norm, apply_rotary)
