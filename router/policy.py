@@ -63,6 +63,7 @@ class Candidate:
     num_requests: int = 0        # outstanding requests on it
     kv_usage: float = 0.0
     recent_preemptions: int = 0  # within the last preemption_window_s
+    num_cached_blocks: int = 0   # everything it caches, this request's prefix or not
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +78,11 @@ class Policy(Protocol):
 
 
 class PrefixPolicy:
-    """Highest score wins (ties: the earlier candidate), unless it is too busy: then spill."""
+    """Highest score wins, unless it is too busy: then spill.
+
+    Ties go to the replica caching the fewest blocks, so prefixes new to every replica spread out
+    instead of piling onto the first candidate; then to the earlier candidate.
+    """
 
     def __init__(self, config: PolicyConfig):
         self.config = config
@@ -85,8 +90,8 @@ class PrefixPolicy:
     def choose(self, num_blocks: int, candidates: list[Candidate]) -> RoutingDecision:
         least_requests = min(candidate.num_requests for candidate in candidates)
 
-        def score(candidate: Candidate) -> float:
-            return self.score(candidate, num_blocks)
+        def score(candidate: Candidate) -> tuple[float, int]:
+            return self.score(candidate, num_blocks), -candidate.num_cached_blocks
 
         best = max(candidates, key=score)
         if not self.is_too_busy(best, least_requests):

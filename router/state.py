@@ -125,4 +125,4 @@ class RouterState:
         if replica is None:
             return Candidate(replica_id, matched_blocks)
         return Candidate(replica_id, matched_blocks, replica.num_requests, replica.load.kv_usage,
-                         replica.preemptions.count(now))
+                         replica.preemptions.count(now), self.index.num_blocks(replica_id))

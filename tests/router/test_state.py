@@ -161,3 +161,15 @@ def test_baseline_policies_through_the_state():
 def test_choose_without_candidates_raises_value_error():
     with pytest.raises(ValueError, match="no candidate"):
         make_state().choose(chain(1), [])
+
+
+def test_new_prefixes_spread_over_equally_loaded_replicas():
+    state = make_state()
+    for replica_id in ("a", "b"):
+        state.resync(replica_id, 1, [], ReplicaLoad())
+    first = state.choose(chain(1, 2), ["a", "b"])
+    state.release(first.replica_id)
+    second = state.choose(chain(7, 8), ["a", "b"])
+    state.release(second.replica_id)
+    assert [first.replica_id, second.replica_id] == ["a", "b"]  # b caches fewer blocks once a has 1, 2
+    assert state.choose(chain(1, 2, 3), ["a", "b"]) == RoutingDecision("a", 2, "prefix_hit")
