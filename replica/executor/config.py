@@ -1,0 +1,82 @@
+"""The shape of a Llama-family decoder, read from a checkpoint (GGUF metadata or HF config.json)."""
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position: int             # the context length the model was trained for
+    tie_word_embeddings: bool
+    attention_bias: bool = False  # Qwen2: q/k/v projections carry a bias
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {self.architecture!r}; "
+                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{self.num_heads} query heads do not split into {self.num_kv_heads} KV heads")
+
+    @classmethod
+    def from_gguf_metadata(cls, metadata: dict[str, Any], tensor_names: set[str]) -> "ModelConfig":
+        arch = metadata["general.architecture"]
+
+        def get(key: str, default: Any = None) -> Any:
+            value = metadata.get(f"{arch}.{key}", default)
+            if value is None:
+                raise ValueError(f"GGUF metadata lacks {arch}.{key}")
+            return value
+
+        hidden_size = get("embedding_length")
+        num_heads = get("attention.head_count")
+        return cls(
+            architecture=arch,
+            vocab_size=get("vocab_size", len(metadata.get("tokenizer.ggml.tokens", ()))),
+            hidden_size=hidden_size,
+            intermediate_size=get("feed_forward_length"),
+            num_layers=get("block_count"),
+            num_heads=num_heads,
+            num_kv_heads=get("attention.head_count_kv", num_heads),
+            head_dim=get("attention.key_length", hidden_size // num_heads),
+            rope_theta=float(get("rope.freq_base", 10000.0)),
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+            max_position=get("context_length"),
+            tie_word_embeddings="output.weight" not in tensor_names,
+            attention_bias="blk.0.attn_q.bias" in tensor_names,
+        )
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any]) -> "ModelConfig":
+        arch = config.get("model_type", "")
+        rope_scaling = config.get("rope_scaling") or {}
+        if rope_scaling.get("rope_type", rope_scaling.get("type", "default")) != "default":
+            raise ValueError(f"RoPE scaling {rope_scaling!r} is not supported")
+        # transformers 5 moves rope_theta into rope_parameters
+        rope_theta = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        num_heads = config["num_attention_heads"]
+        return cls(
+            architecture=arch,
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=config.get("num_key_value_heads") or num_heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
+            rope_theta=float(rope_theta),
+            rms_norm_eps=float(config["rms_norm_eps"]),
+            max_position=config.get("max_position_embeddings", 8192),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=arch == "qwen2" or bool(config.get("attention_bias", False)),
+        )

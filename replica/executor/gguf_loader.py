@@ -1,0 +1,86 @@
+"""Reading a llama.cpp GGUF file: metadata, and tensors dequantized under Hugging Face names.
+
+GGUFReader parses the vocabulary in pure Python (about 5 s), so one reader per file is kept for the
+life of the process; everything else is derived from it on demand.
+"""
+import functools
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from replica.executor.config import ModelConfig
+
+# GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSORS = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# llama.cpp permutes these rows for its interleaved-pair RoPE (only for the "llama" architecture)
+_PERMUTED = {"attn_q": "num_heads", "attn_k": "num_kv_heads"}
+
+
+@functools.lru_cache(maxsize=2)
+def open_gguf(path: str):
+    from gguf import GGUFReader
+    return GGUFReader(path)
+
+
+def read_metadata(path: str) -> dict[str, Any]:
+    """Every metadata field as a plain Python value (strings, numbers, lists)."""
+    return {name: field.contents() for name, field in open_gguf(path).fields.items()
+            if not name.startswith("GGUF.")}
+
+
+def read_config(path: str, metadata: dict[str, Any]) -> ModelConfig:
+    return ModelConfig.from_gguf_metadata(metadata, {t.name for t in open_gguf(path).tensors})
+
+
+def iter_weights(path: str, config: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor in dtype) for every tensor, with llama.cpp's Q/K row permutation undone."""
+    from gguf.quants import dequantize
+    for tensor in open_gguf(path).tensors:
+        array = dequantize(tensor.data, tensor.tensor_type)
+        hf_name, permuted_heads = _hf_name(tensor.name, config)
+        if permuted_heads:
+            array = _unpermute_rows(array, permuted_heads)
+        # the reader's arrays are read-only memmaps or fresh float32 arrays; copy only when needed
+        yield hf_name, torch.from_numpy(np.array(array, copy=not array.flags.writeable)).to(dtype)
+
+
+def _hf_name(gguf_name: str, config: ModelConfig) -> tuple[str, int]:
+    """The HF name of a GGUF tensor, and how many heads its rows are permuted over (0: none)."""
+    match = _LAYER_NAME.fullmatch(gguf_name)
+    if match is None:
+        base, suffix = gguf_name.rsplit(".", 1)
+        if base not in _GLOBAL_TENSORS:
+            raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
+        return f"{_GLOBAL_TENSORS[base]}.{suffix}", 0
+    layer, kind, suffix = match.groups()
+    if kind not in _LAYER_TENSORS:
+        raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
+    permuted_heads = getattr(config, _PERMUTED[kind]) if (
+        kind in _PERMUTED and config.architecture == "llama") else 0
+    return f"model.layers.{layer}.{_LAYER_TENSORS[kind]}.{suffix}", permuted_heads
+
+
+def _unpermute_rows(array: np.ndarray, num_heads: int) -> np.ndarray:
+    """Inverse of llama.cpp's convert_hf_to_gguf permute: per head, pairs (i, i + d/2) back to halves."""
+    head_dim = array.shape[0] // num_heads
+    return (array.reshape(num_heads, head_dim // 2, 2, *array.shape[1:])
+            .swapaxes(1, 2).reshape(array.shape))

@@ -1,0 +1,207 @@
+"""A Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over a paged KV cache.
+
+One flattened batch of T tokens from many requests (prefill chunks and decodes mixed) runs
+through every layer at once. Q/K/V and gate/up are fused into one matmul each. Parameter names
+follow Hugging Face, so checkpoints load by name (see load_weights).
+"""
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import KernelOps, rotary_cos_sin
+from replica.executor.config import ModelConfig
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # key, value: [num_blocks, block_size, num_kv_heads, head_dim]
+
+# checkpoint projection -> (fused parameter, shard index)
+_STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+@dataclass
+class AttentionGroup:
+    """Requests that attend in one kernel call, owning query rows token_start:token_end."""
+    token_start: int
+    token_end: int
+    block_tables: torch.Tensor     # [R, max_blocks] int32
+    query_start_loc: torch.Tensor  # [R + 1] int32, from 0 at token_start
+    seq_lens: torch.Tensor         # [R] int32: context length including this step's tokens
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor     # [T] int64: cache slot of each new token
+    # One group, or two: the requests with a single query token, then the rest. Apart, the
+    # single-token ones batch into one padded attention on CPU instead of a loop over requests.
+    groups: list[AttentionGroup]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, ops: KernelOps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+        self.eps = eps
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, ops: KernelOps):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.scale = self.head_dim ** -0.5
+        self.ops = ops
+
+    def shard_sizes(self) -> list[int]:
+        return [self.q_size, self.kv_size, self.kv_size]
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache,
+                metadata: AttentionMetadata, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        query, key, value = self.qkv_proj(hidden).split(self.shard_sizes(), dim=-1)
+        query = query.view(num_tokens, self.num_heads, self.head_dim)
+        key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
+        value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
+        query, key = self.ops.apply_rotary(query, key, positions, cos_sin_cache)
+        out = self._paged_attention(query, key, value, kv_cache, metadata)
+        return self.o_proj(out.view(num_tokens, self.q_size))
+
+    @torch.compiler.disable  # the kernels run as they are inside a compiled layer
+    def _paged_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache,
+                         metadata: AttentionMetadata) -> torch.Tensor:
+        key_cache, value_cache = kv_cache
+        # The whole batch's K/V goes in before anyone reads: a request may attend to blocks that
+        # another request of this same batch is filling (a prefix-cache hit on a block in flight).
+        self.ops.write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+        outs = [self.ops.paged_attention(query[group.token_start:group.token_end], key_cache, value_cache,
+                                         group.block_tables, group.query_start_loc, group.seq_lens, self.scale)
+                for group in metadata.groups]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def shard_sizes(self) -> list[int]:
+        return [self.intermediate_size, self.intermediate_size]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, ops: KernelOps):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.self_attn = LlamaAttention(config, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: KVCache, metadata: AttentionMetadata,
+                cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, metadata, cos_sin_cache)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, ops: KernelOps):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, ops) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, ops: KernelOps, device: torch.device | str):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, ops)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.cos_sin_cache = rotary_cos_sin(config.head_dim, config.max_position, config.rope_theta,
+                                            dtype=torch.float32, device=device)
+
+    def compile_layers(self) -> None:
+        """torch.compile each decoder layer around its attention kernels (which stay as they are): on
+        CPU this fuses the norms, RoPE and SwiGLU into a few loops instead of dozens of memory passes.
+        All layers share one graph, and shapes are dynamic, so it compiles a few times at start-up."""
+        for layer in self.model.layers:
+            layer.compile(dynamic=True)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                metadata: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, hidden_size]."""
+        hidden, residual = self.model.embed_tokens(input_ids), None
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, metadata, self.cos_sin_cache)
+        hidden, _ = self.model.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden_size] -> fp32 logits [N, vocab_size]."""
+        return F.linear(hidden, self.lm_head_weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (HF names) in; q/k/v and gate/up land in their fused parameters."""
+        params = dict(self.named_parameters())
+        fused_sizes = self._fused_shard_sizes()
+        shard_sizes = {name: fused_sizes.get(name, [param.shape[0]]) for name, param in params.items()}
+        expected = {(name, shard) for name, sizes in shard_sizes.items() for shard in range(len(sizes))}
+        loaded = set()
+        for name, tensor in weights:
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            name, shard = _fused_name(name)
+            if name not in params:
+                raise ValueError(f"unexpected weight {name!r} in the checkpoint")
+            sizes = shard_sizes[name]
+            start = sum(sizes[:shard])
+            target = params[name].data[start:start + sizes[shard]]
+            if target.shape != tensor.shape:
+                raise ValueError(f"weight {name!r} shard {shard}: checkpoint has shape {tuple(tensor.shape)}, "
+                                 f"the model expects {tuple(target.shape)}")
+            target.copy_(tensor)
+            loaded.add((name, shard))
+        if missing := sorted(expected - loaded):
+            raise ValueError(f"the checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
+
+    def _fused_shard_sizes(self) -> dict[str, list[int]]:
+        sizes = {}
+        for name, module in self.named_modules():
+            if isinstance(module, LlamaAttention):
+                sizes[f"{name}.qkv_proj.weight"] = sizes[f"{name}.qkv_proj.bias"] = module.shard_sizes()
+            elif isinstance(module, LlamaMLP):
+                sizes[f"{name}.gate_up_proj.weight"] = module.shard_sizes()
+        return sizes
+
+
+def _fused_name(name: str) -> tuple[str, int]:
+    """'...self_attn.k_proj.weight' -> ('...self_attn.qkv_proj.weight', 1); others unchanged, shard 0."""
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[-2] in _STACKED:
+        fused, shard = _STACKED[parts[-2]]
+        return ".".join([*parts[:-2], fused, parts[-1]]), shard
+    return name, 0

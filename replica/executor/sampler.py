@@ -1,0 +1,74 @@
+"""Batched sampling: greedy, temperature, top-k, top-p, per-request seeds; logprobs of the chosen tokens."""
+from dataclasses import dataclass
+
+import torch
+
+from replica.request import SamplingParams
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling parameters of one step's logits."""
+    temperatures: torch.Tensor         # [R] fp32; 0 = greedy
+    top_ks: torch.Tensor | None        # [R] int64, vocab size where off; None if off for every row
+    top_ps: torch.Tensor | None        # [R] fp32; None if 1 for every row
+    generators: dict[int, torch.Generator]  # row -> the seeded request's own generator
+    all_greedy: bool
+    needs_logprobs: bool
+
+    @classmethod
+    def from_params(cls, params: list[SamplingParams], generators: dict[int, torch.Generator],
+                    vocab_size: int, device: torch.device) -> "SamplingMetadata":
+        top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+        top_ps = [p.top_p for p in params]
+        return cls(
+            temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            top_ks=None if all(k == vocab_size for k in top_ks) else torch.tensor(top_ks, device=device),
+            top_ps=None if all(p == 1.0 for p in top_ps) else torch.tensor(top_ps, device=device),
+            generators=generators,
+            all_greedy=all(p.temperature == 0 for p in params),
+            needs_logprobs=any(p.logprobs for p in params),
+        )
+
+
+def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits [R, V] fp32 -> (token ids [R], logprobs of those tokens under the raw logits [R] or None)."""
+    greedy = logits.argmax(dim=-1)
+    if metadata.all_greedy:
+        token_ids = greedy
+    else:
+        temperatures = metadata.temperatures
+        scaled = logits / torch.where(temperatures > 0, temperatures, 1.0).unsqueeze(1)
+        probs = apply_top_k_top_p(scaled, metadata.top_ks, metadata.top_ps).softmax(dim=-1)
+        token_ids = torch.where(temperatures > 0, _random_sample(probs, metadata.generators), greedy)
+    logprobs = None
+    if metadata.needs_logprobs:
+        logprobs = logits.log_softmax(dim=-1).gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    return token_ids, logprobs
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None,
+                      top_ps: torch.Tensor | None) -> torch.Tensor:
+    """Mask (to -inf) what falls outside each row's top k and its top-p nucleus."""
+    if top_ks is None and top_ps is None:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1)  # ascending
+    if top_ks is not None:
+        kth_largest = sorted_logits.gather(1, (logits.shape[1] - top_ks).unsqueeze(1))
+        sorted_logits.masked_fill_(sorted_logits < kth_largest, float("-inf"))
+    if top_ps is not None:
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        outside = cumulative <= 1 - top_ps.unsqueeze(1)
+        outside[:, -1] = False  # the most likely token always stays
+        sorted_logits.masked_fill_(outside, float("-inf"))
+    return logits.scatter(1, order, sorted_logits)
+
+
+def _random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """Gumbel-max in its exponential form: argmax(p / q), q ~ Exp(1), each seeded row drawing its own q."""
+    noise = torch.empty_like(probs)
+    if len(generators) < probs.shape[0]:
+        noise.exponential_()
+    for row, generator in generators.items():
+        noise[row].exponential_(generator=generator)
+    return probs.div_(noise).argmax(dim=-1)

@@ -1,0 +1,142 @@
+"""The checkpoint's tokenizer and chat template: from GGUF metadata or an HF tokenizer.json."""
+import json
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers.models import BPE
+
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SPLIT_BY_PRE_TOKENIZER = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
+                           "qwen2": _QWEN2_SPLIT}
+
+
+class Tokenizer:
+    def __init__(self, backend: BackendTokenizer, *, bos_token_id: int | None, eos_token_id: int | None,
+                 chat_template: str | None):
+        self.backend = backend
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.chat_template = chat_template
+        self._template: jinja2.Template | None = None
+
+    @classmethod
+    def from_gguf_metadata(cls, metadata: dict[str, Any]) -> "Tokenizer":
+        model = metadata.get("tokenizer.ggml.model")
+        if model != "gpt2":
+            raise ValueError(f"GGUF tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2'); "
+                             "load the model from a Hugging Face directory with tokenizer.json instead")
+        bos_token_id = metadata.get("tokenizer.ggml.bos_token_id")
+        return cls(_byte_level_bpe(metadata, add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token"))),
+                   bos_token_id=bos_token_id, eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
+                   chat_template=metadata.get("tokenizer.chat_template"))
+
+    @classmethod
+    def from_hf_dir(cls, directory: Path) -> "Tokenizer":
+        if not (directory / "tokenizer.json").is_file():
+            raise ValueError(f"{directory} has no tokenizer.json")
+        backend = BackendTokenizer.from_file(str(directory / "tokenizer.json"))
+        config_path = directory / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        template_path = directory / "chat_template.jinja"
+        chat_template = template_path.read_text() if template_path.is_file() else config.get("chat_template")
+
+        def token_id(name: str) -> int | None:
+            token = config.get(name)
+            token = token.get("content") if isinstance(token, dict) else token
+            return backend.token_to_id(token) if token else None
+
+        return cls(backend, bos_token_id=token_id("bos_token"), eos_token_id=token_id("eos_token"),
+                   chat_template=chat_template)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: list[dict]) -> str:
+        """The chat template applied to messages, with the assistant's generation prompt appended."""
+        if self.chat_template is None:
+            raise ValueError("this model has no chat template")
+        if self._template is None:
+            self._template = _compile_template(self.chat_template)
+        return self._template.render(
+            messages=[_check_message(message) for message in messages], add_generation_prompt=True,
+            bos_token=self._token_text(self.bos_token_id), eos_token=self._token_text(self.eos_token_id))
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        # the template writes any BOS itself
+        return self.encode(self.render_chat(messages), add_special_tokens=False)
+
+    def _token_text(self, token_id: int | None) -> str:
+        return "" if token_id is None else self.backend.id_to_token(token_id)
+
+
+def _byte_level_bpe(metadata: dict[str, Any], add_bos: bool) -> BackendTokenizer:
+    tokens: list[str] = metadata["tokenizer.ggml.tokens"]
+    merges = [tuple(merge.split(" ", 1)) for merge in metadata["tokenizer.ggml.merges"]]
+    pre = metadata.get("tokenizer.ggml.pre", "default")
+    backend = BackendTokenizer(BPE(vocab={token: i for i, token in enumerate(tokens)}, merges=merges,
+                                   ignore_merges=pre in ("llama-bpe", "llama3")))
+    if pre == "smollm":  # llama.cpp: every digit on its own, then GPT-2's split
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    elif pre in _SPLIT_BY_PRE_TOKENIZER:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_SPLIT_BY_PRE_TOKENIZER[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    else:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre == "qwen2":
+        backend.normalizer = normalizers.NFC()
+    backend.decoder = decoders.ByteLevel()
+    token_types = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    backend.add_special_tokens([AddedToken(token, special=True, normalized=False)
+                                for token, kind in zip(tokens, token_types) if kind == _CONTROL])
+    backend.add_tokens([AddedToken(token, normalized=False)
+                        for token, kind in zip(tokens, token_types) if kind == _USER_DEFINED])
+    bos_token_id = metadata.get("tokenizer.ggml.bos_token_id")
+    if add_bos and bos_token_id is not None:
+        bos = tokens[bos_token_id]
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", special_tokens=[(bos, bos_token_id)])
+    return backend
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=["jinja2.ext.loopcontrols"])
+
+    def raise_exception(message: str):
+        raise ValueError(f"chat template: {message}")
+
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(source)
+
+
+def _check_message(message: Any) -> dict:
+    """A chat message with string content; OpenAI's list of text parts is joined."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise ValueError(f"a chat message must be a dict with a string 'role', got {message!r}")
+    content = message.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(part, dict) and part.get("type") == "text" for part in content):
+            raise ValueError("only text content parts are supported in chat messages")
+        content = "".join(str(part.get("text", "")) for part in content)
+    if not isinstance(content, str):
+        raise ValueError(f"chat message content must be a string, got {type(content).__name__}")
+    return {**message, "content": content}

@@ -1,0 +1,85 @@
+import math
+
+import pytest
+import torch
+
+from replica.executor.sampler import SamplingMetadata, sample
+from replica.request import SamplingParams
+
+PROBS = [0.5, 0.3, 0.2]
+
+
+def logits_rows(num_rows: int) -> torch.Tensor:
+    return torch.tensor([PROBS] * num_rows).log()
+
+
+def run(logits: torch.Tensor, params: list[SamplingParams], seeds: dict[int, int] | None = None):
+    generators = {row: torch.Generator().manual_seed(seed) for row, seed in (seeds or {}).items()}
+    metadata = SamplingMetadata.from_params(params, generators, logits.shape[1], torch.device("cpu"))
+    return sample(logits, metadata)
+
+
+def frequencies(token_ids: torch.Tensor) -> list[float]:
+    return (torch.bincount(token_ids, minlength=len(PROBS)) / len(token_ids)).tolist()
+
+
+def test_greedy_takes_the_argmax_and_reports_its_logprob():
+    logits = torch.tensor([[0.0, 2.0, 1.0], [5.0, -1.0, 0.0]])
+    token_ids, logprobs = run(logits, [SamplingParams(temperature=0, logprobs=True)] * 2)
+    assert token_ids.tolist() == [1, 0]
+    torch.testing.assert_close(logprobs, logits.log_softmax(-1)[[0, 1], [1, 0]])
+
+
+def test_no_logprobs_unless_asked():
+    assert run(logits_rows(1), [SamplingParams(temperature=0)])[1] is None
+
+
+def test_temperature_sampling_follows_the_distribution():
+    torch.manual_seed(0)
+    token_ids, _ = run(logits_rows(20000), [SamplingParams(temperature=1.0)] * 20000)
+    assert frequencies(token_ids) == pytest.approx(PROBS, abs=0.015)
+
+
+def test_low_temperature_sharpens():
+    torch.manual_seed(0)
+    token_ids, _ = run(logits_rows(20000), [SamplingParams(temperature=0.5)] * 20000)
+    expected = [p ** 2 / sum(q ** 2 for q in PROBS) for p in PROBS]
+    assert frequencies(token_ids) == pytest.approx(expected, abs=0.015)
+
+
+@pytest.mark.parametrize("params, expected", [
+    (SamplingParams(top_k=2), [0.625, 0.375, 0.0]),
+    (SamplingParams(top_p=0.7), [0.625, 0.375, 0.0]),   # 0.5 alone is short of 0.7; 0.5 + 0.3 covers it
+    (SamplingParams(top_p=0.4), [1.0, 0.0, 0.0]),
+    (SamplingParams(top_k=1), [1.0, 0.0, 0.0]),
+])
+def test_top_k_and_top_p_renormalize_over_what_they_keep(params, expected):
+    torch.manual_seed(0)
+    token_ids, _ = run(logits_rows(20000), [params] * 20000)
+    assert frequencies(token_ids) == pytest.approx(expected, abs=0.015)
+
+
+def test_mixed_batch_keeps_each_rows_rule():
+    torch.manual_seed(0)
+    params = [SamplingParams(temperature=0), SamplingParams(top_k=2), SamplingParams(top_p=0.4)] * 1000
+    token_ids, _ = run(logits_rows(3000), params)
+    assert set(token_ids[0::3].tolist()) == {0}
+    assert set(token_ids[1::3].tolist()) == {0, 1}
+    assert set(token_ids[2::3].tolist()) == {0}
+
+
+def test_seeded_rows_do_not_depend_on_the_rest_of_the_batch():
+    logits = torch.randn(1, 1000, generator=torch.Generator().manual_seed(1))
+    params = SamplingParams(temperature=1.0, seed=7)
+    draws = [run(logits, [params], {0: 7})[0].item() for _ in range(2)]
+    batch = torch.cat([torch.randn(3, 1000), logits])
+    in_batch = run(batch, [SamplingParams()] * 3 + [params], {3: 7})[0][3].item()
+    assert draws[0] == draws[1] == in_batch
+    other_seeds = {run(logits, [params], {0: seed})[0].item() for seed in range(8, 16)}
+    assert len(other_seeds) > 1
+
+
+def test_logprobs_are_of_the_raw_distribution_even_when_sampling():
+    torch.manual_seed(0)
+    token_ids, logprobs = run(logits_rows(50), [SamplingParams(temperature=0.3, logprobs=True)] * 50)
+    assert logprobs.tolist() == pytest.approx([math.log(PROBS[t]) for t in token_ids.tolist()], abs=1e-6)

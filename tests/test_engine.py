@@ -1,0 +1,158 @@
+"""The offline LLM and EngineCore on the real default model (fp32, CPU, torch kernels).
+
+The reference for every scheduling variant is the same prompts generated one at a time: batching,
+chunked prefill, prefix-cache hits and preemption must not change a single greedy token.
+"""
+import pytest
+
+from replica.engine import LLM, EngineConfig, EngineCore
+from replica.request import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who every "
+    "morning walked down to the harbour, mended his nets and told the children stories about",
+    "List three primary colors:",
+]
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def make_llm(**engine_args) -> LLM:
+    return LLM(dtype="float32", **{"num_kv_blocks": 128, **engine_args})
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return make_llm()
+
+
+@pytest.fixture(scope="module")
+def one_at_a_time(llm) -> list[list[int]]:
+    return [llm.generate(prompt, GREEDY)[0].token_ids for prompt in PROMPTS]
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [output.token_ids for output in outputs]
+
+
+def test_greedy_output_is_the_known_continuation(llm):
+    output = llm.generate("The capital of France is", SamplingParams(max_tokens=4, temperature=0))[0]
+    assert output.text == " Paris.\n\n"
+    assert output.finish_reason == "length"
+    assert len(output.token_ids) == 4
+
+
+def test_batched_equals_one_at_a_time(llm, one_at_a_time):
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == one_at_a_time
+
+
+def test_identical_prompts_in_one_step_share_blocks_and_tokens(one_at_a_time):
+    llm = make_llm()
+    outputs = llm.generate([PROMPTS[2]] * 3, GREEDY)
+    assert token_ids(outputs) == [one_at_a_time[2]] * 3
+    # the second and third hit the first one's blocks while it was still computing them
+    assert [output.num_cached_tokens for output in outputs] == [0, 16 * 2, 16 * 2]
+
+
+def test_chunked_prefill_gives_the_same_tokens(one_at_a_time):
+    llm = make_llm(max_num_batched_tokens=16, long_prefill_token_threshold=8)
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == one_at_a_time
+
+
+def test_prefix_cache_hit_gives_the_same_tokens(one_at_a_time):
+    llm = make_llm()
+    llm.generate(PROMPTS[2], GREEDY)
+    again = llm.generate(PROMPTS[2], GREEDY)[0]
+    assert again.token_ids == one_at_a_time[2]
+    num_prompt_tokens = len(llm.tokenizer.encode(PROMPTS[2]))
+    assert again.num_cached_tokens == (num_prompt_tokens - 1) // 16 * 16 > 0
+    stats = llm.engine.stats()
+    assert stats.prefix_cache_hits == again.num_cached_tokens
+
+
+def test_preemption_gives_the_same_tokens(one_at_a_time):
+    llm = make_llm(num_kv_blocks=6, watermark=0.0)  # 5 usable blocks; together they need 7
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == one_at_a_time
+    assert llm.engine.stats().num_preemptions > 0
+
+
+def test_seeded_sampling_is_reproducible_alone_and_batched(llm):
+    params = [SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, top_k=50, seed=seed, ignore_eos=True)
+              for seed in (1, 2)]
+    batched = token_ids(llm.generate([PROMPTS[0], PROMPTS[0]], params))
+    alone = [llm.generate(PROMPTS[0], p)[0].token_ids for p in params]
+    assert batched == alone
+    assert batched[0] != batched[1]
+
+
+def test_stop_string_trims_text_and_finishes(llm):
+    full = llm.generate(PROMPTS[0], GREEDY)[0]
+    assert full.text.startswith(" Paris.\n\nThe answer")
+    stopped = llm.generate(PROMPTS[0], SamplingParams(max_tokens=12, temperature=0, stop=["\n\nThe a", "xyz"]))[0]
+    assert stopped.text == " Paris."
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == full.token_ids[:len(stopped.token_ids)]
+
+
+def test_token_id_prompts_equal_text_prompts(llm, one_at_a_time):
+    ids = [llm.tokenizer.encode(prompt) for prompt in PROMPTS[:2]]
+    assert token_ids(llm.generate(ids, GREEDY)) == one_at_a_time[:2]
+    assert llm.generate(ids[0], GREEDY)[0].token_ids == one_at_a_time[0]
+
+
+def test_chat_applies_the_template(llm):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    output = llm.chat(messages, SamplingParams(max_tokens=16, temperature=0))[0]
+    assert output.text == "The capital of France is Paris."
+    assert output.finish_reason == "stop"  # EOS (<|im_end|>), which is not in the text
+    prompt = llm.tokenizer.apply_chat_template(messages)
+    assert output.prompt_token_ids == prompt
+    assert llm.generate(prompt, SamplingParams(max_tokens=16, temperature=0))[0].token_ids == output.token_ids
+
+
+def test_streamed_outputs_add_up_and_carry_logprobs(llm):
+    engine = llm.engine
+    prompt = llm.tokenizer.encode(PROMPTS[0])
+    engine.add_request("stream", prompt, SamplingParams(max_tokens=6, temperature=0, logprobs=True))
+    outputs = []
+    while engine.has_unfinished():
+        outputs.extend(engine.step())
+    assert "".join(output.new_text for output in outputs) == " Paris.\n\nThe answer"
+    assert [output.finished for output in outputs] == [False] * 5 + [True]
+    assert all(output.num_prompt_tokens == len(prompt) and len(output.logprobs) == 1 for output in outputs)
+    assert all(-20 < output.logprobs[0] <= 0 for output in outputs)
+
+
+@pytest.mark.parametrize("prompt, error", [
+    ([], "empty"),
+    ([1, 2, 49152], "token ids"),
+    ([5] * 4096, "max_model_len"),
+])
+def test_bad_prompts_raise_and_queue_nothing(llm, prompt, error):
+    with pytest.raises(ValueError, match=error):
+        llm.engine.add_request("bad", prompt, GREEDY)
+    assert not llm.engine.has_unfinished()
+
+
+def test_duplicate_id_raises_and_abort_frees_blocks(llm):
+    engine = llm.engine
+    engine.add_request("dup", [1, 2, 3], GREEDY)
+    with pytest.raises(ValueError, match="duplicate"):
+        engine.add_request("dup", [4, 5], GREEDY)
+    engine.step()
+    assert engine.stats().kv_usage > 0
+    engine.abort(["dup", "unknown"])
+    assert not engine.has_unfinished()
+    assert engine.stats().kv_usage == 0
+
+
+def test_engine_config_rejects_bad_values():
+    with pytest.raises(ValueError):
+        EngineConfig(dtype="float64")
+    with pytest.raises(ValueError):
+        EngineConfig(block_size=0)
+    with pytest.raises(ValueError, match="context length"):
+        EngineCore(EngineConfig(max_model_len=10**6, dtype="float32", num_kv_blocks=8))
