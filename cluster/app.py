@@ -1,0 +1,47 @@
+"""The Serve application: an HTTP ingress in front of the engine deployment, routed by the router actor."""
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
+
+from cluster.config import ClusterConfig
+from cluster.engine_replica import EngineReplica
+from cluster.ingress import Ingress
+from router.serve_router import PrefixAwareRequestRouter
+
+APP_NAME = "prefixserve"
+# Each engine queues and batches on its own; Serve's cap only sheds load well past that.
+ENGINE_MAX_ONGOING_REQUESTS = 1024
+INGRESS_MAX_ONGOING_REQUESTS = 4096
+ROUTING_STATS_PERIOD_S = 2.0
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    """Serve application builder ("cluster.app:build_app"): args are ClusterConfig's fields."""
+    return build(ClusterConfig.model_validate(args))
+
+
+def build(config: ClusterConfig) -> Application:
+    engine = serve.deployment(EngineReplica, name="engine").options(**engine_options(config))
+    ingress = serve.deployment(Ingress, name="ingress").options(
+        num_replicas=1, max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS, ray_actor_options={"num_cpus": 0})
+    return ingress.bind(engine.bind(config), config)
+
+
+def engine_options(config: ClusterConfig) -> dict[str, Any]:
+    router_config = RequestRouterConfig(
+        request_router_class=PrefixAwareRequestRouter,
+        request_router_kwargs={"policy": config.policy.model_dump(), "block_size": config.engine.block_size,
+                               "timeout_s": config.router_timeout_s},
+        request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)
+    options = {
+        "max_ongoing_requests": ENGINE_MAX_ONGOING_REQUESTS,
+        "ray_actor_options": {"num_cpus": config.replica_num_cpus, "num_gpus": config.replica_num_gpus},
+        "request_router_config": router_config,
+    }
+    if config.autoscaling is None:
+        options["num_replicas"] = config.num_replicas
+    else:
+        options["autoscaling_config"] = config.autoscaling.to_serve_config()
+    return options

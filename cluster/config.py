@@ -1,0 +1,32 @@
+"""ClusterConfig: everything the Serve app is built from (the CLI's flags, the Helm chart's args)."""
+import os
+from typing import Literal
+
+import pydantic
+
+from cluster.autoscaling import AutoscalingSettings
+from replica.engine import EngineConfig
+from router.policy import PolicyConfig
+
+API_KEY_ENV = "PREFIXSERVE_API_KEY"
+
+
+class ClusterConfig(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+
+    engine: EngineConfig = pydantic.Field(default_factory=EngineConfig)
+    num_replicas: int = pydantic.Field(2, ge=1)
+    autoscaling: AutoscalingSettings | None = None  # None: a fixed num_replicas
+    routing_policy: Literal["prefix", "round_robin", "least_loaded"] = "prefix"
+    api_key: str | None = None  # None: PREFIXSERVE_API_KEY from the ingress's environment, if set
+    replica_num_cpus: float = pydantic.Field(1.0, ge=0)
+    replica_num_gpus: float = pydantic.Field(0.0, ge=0)
+    # How long a request waits for the router actor before Serve picks its replica instead.
+    router_timeout_s: float = pydantic.Field(0.2, gt=0)
+
+    @property
+    def policy(self) -> PolicyConfig:
+        return PolicyConfig(policy=self.routing_policy)
+
+    def resolved_api_key(self) -> str | None:
+        return self.api_key or os.environ.get(API_KEY_ENV) or None

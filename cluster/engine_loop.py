@@ -1,0 +1,180 @@
+"""AsyncEngine: drives one EngineCore from asyncio and streams each request's outputs to its caller.
+
+EngineCore is not thread-safe and its step() takes tens of milliseconds, so step() runs in a
+single worker thread while the event loop stays free to accept and cancel requests. Everything
+else that touches the core (adding, aborting, reading stats) runs on the event loop between two
+steps, never during one.
+"""
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from replica.kv_cache import BlockHash
+from replica.request import SamplingParams
+
+if TYPE_CHECKING:
+    from replica.engine import EngineCore, EngineOutput
+
+logger = logging.getLogger("ray.serve.prefixserve.engine")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """A tokenized request as the ingress hands it to an engine replica (and the router reads it)."""
+    request_id: str
+    prompt_token_ids: list[int]
+    block_hashes: list[BlockHash]  # chained hashes of the prompt's full blocks, as the replicas hash them
+    params: SamplingParams
+    cache_salt: str | None = None
+    priority: int = 0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped (a step failed, or shutdown): no request can be served any more."""
+
+
+class AsyncEngine:
+    def __init__(self, core: "EngineCore", *, after_step: Callable[[], Awaitable[None]] | None = None,
+                 idle_interval_s: float = 1.0):
+        """after_step runs on the event loop after every step, and every idle_interval_s when idle."""
+        self.core = core
+        self._after_step = after_step
+        self._idle_interval_s = idle_interval_s
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._to_add: list[tuple[EngineRequest, asyncio.Queue]] = []
+        self._to_abort: list[str] = []
+        self._calls: list[tuple[Callable[["EngineCore"], Any], asyncio.Future]] = []
+        self._wakeup = asyncio.Event()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+        self._error: BaseException | None = None
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the loop stopped; None while it runs."""
+        return self._error
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator["EngineOutput"]:
+        """The request's outputs until one is finished; closing the iterator early aborts it."""
+        self._check_alive()
+        queue: asyncio.Queue = asyncio.Queue()
+        self._to_add.append((request, queue))
+        self._wakeup.set()
+        finished = False
+        try:
+            while not finished:
+                output = await queue.get()
+                if isinstance(output, BaseException):
+                    finished = True
+                    raise output
+                finished = output.finished
+                yield output
+        finally:
+            if not finished:
+                self._to_abort.append(request.request_id)
+                self._wakeup.set()
+
+    async def call(self, fn: Callable[["EngineCore"], Any]) -> Any:
+        """fn(core), run on the loop between two steps."""
+        self._check_alive()
+        future = asyncio.get_running_loop().create_future()
+        self._calls.append((fn, future))
+        self._wakeup.set()
+        return await future
+
+    async def shutdown(self) -> None:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        self._executor.shutdown(wait=True)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                self._apply_pending()
+                if self.core.has_unfinished():
+                    self._dispatch(await loop.run_in_executor(self._executor, self.core.step))
+                else:
+                    await self._wait_for_work()
+                if self._after_step is not None:
+                    await self._run_after_step()
+        except asyncio.CancelledError:
+            self._fail_all(EngineDeadError("the engine is shutting down"))
+            raise
+        except Exception as exc:
+            logger.exception("engine loop failed")
+            self._fail_all(exc)
+
+    async def _run_after_step(self) -> None:
+        try:
+            await self._after_step()
+        except Exception:  # publishing is best effort; it must never stop the engine
+            logger.exception("after_step hook failed")
+
+    def _apply_pending(self) -> None:
+        # Additions first: a caller may have gone away before its request was even added.
+        additions, self._to_add = self._to_add, []
+        for request, queue in additions:
+            self._add(request, queue)
+        aborts, self._to_abort = self._to_abort, []
+        if aborts:
+            self.core.abort(aborts)
+            for request_id in aborts:
+                self._streams.pop(request_id, None)
+        calls, self._calls = self._calls, []
+        for fn, future in calls:
+            _settle(future, fn, self.core)
+
+    def _add(self, request: EngineRequest, queue: asyncio.Queue) -> None:
+        try:
+            self.core.add_request(request.request_id, request.prompt_token_ids, request.params,
+                                  priority=request.priority, cache_salt=request.cache_salt)
+        except ValueError as exc:
+            queue.put_nowait(exc)
+            return
+        self._streams[request.request_id] = queue
+
+    def _dispatch(self, outputs: list["EngineOutput"]) -> None:
+        for output in outputs:
+            queue = self._streams.get(output.request_id)
+            if queue is None:
+                continue  # aborted while the step ran
+            queue.put_nowait(output)
+            if output.finished:
+                del self._streams[output.request_id]
+
+    async def _wait_for_work(self) -> None:
+        try:
+            async with asyncio.timeout(self._idle_interval_s):
+                await self._wakeup.wait()
+        except TimeoutError:
+            pass
+        self._wakeup.clear()
+
+    def _fail_all(self, exc: BaseException) -> None:
+        self._error = exc
+        for queue in self._streams.values():
+            queue.put_nowait(exc)
+        for _, queue in self._to_add:
+            queue.put_nowait(exc)
+        for _, future in self._calls:
+            future.set_exception(exc)
+        self._streams.clear()
+        self._to_add.clear()
+        self._calls.clear()
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError(f"the engine loop stopped: {self._error!r}")
+
+
+def _settle(future: asyncio.Future, fn: Callable[["EngineCore"], Any], core: "EngineCore") -> None:
+    if future.cancelled():
+        return
+    try:
+        future.set_result(fn(core))
+    except Exception as exc:
+        future.set_exception(exc)

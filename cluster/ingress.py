@@ -1,0 +1,66 @@
+"""Ingress: the class of the HTTP deployment; it serves the OpenAI API over the engine deployment."""
+import asyncio
+import logging
+from collections.abc import AsyncGenerator
+
+from ray import serve
+from ray.exceptions import RayActorError, RayTaskError
+from ray.serve.handle import DeploymentHandle
+
+from cluster.api import build_api
+from cluster.config import ClusterConfig
+from cluster.engine_loop import EngineRequest
+from cluster.metrics import ServingMetrics
+from cluster.serving import OpenAIServing
+from replica.engine import EngineOutput
+from replica.executor.checkpoint import load_checkpoint
+from router.actor import RouterClient
+
+logger = logging.getLogger("ray.serve.prefixserve.ingress")
+
+SNAPSHOT_TIMEOUT_S = 1.0
+
+
+class ServeEngineClient:
+    """The engine deployment as serving's EngineClient; requests go through PrefixAwareRequestRouter."""
+
+    def __init__(self, handle: DeploymentHandle):
+        self._handle = handle.options(stream=True)
+
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[str | EngineOutput, None]:
+        responses = self._handle.generate.remote(request)
+        finished = False
+        try:
+            async for item in responses:
+                yield item
+            finished = True
+        except RayTaskError as exc:
+            raise exc.cause from None  # the engine's own exception, without the remote traceback
+        finally:
+            if not finished:
+                responses.cancel()  # also when the client went away: the replica aborts the request
+
+
+@serve.ingress()
+class Ingress:
+    async def __init__(self, engine: DeploymentHandle, config: ClusterConfig):
+        model, checkpoint = await asyncio.gather(
+            engine.model_info.remote(), asyncio.to_thread(load_checkpoint, config.engine.model))
+        self._router = RouterClient(serve.get_replica_context().app_name, config.policy, model.block_size)
+        self._metrics = ServingMetrics()
+        self._serving = OpenAIServing(ServeEngineClient(engine), checkpoint.tokenizer, model, self._metrics)
+        self._api_key = config.resolved_api_key()
+
+    def __serve_build_asgi_app__(self):
+        return build_api(self._serving, render_metrics=self._render_metrics, api_key=self._api_key)
+
+    async def _render_metrics(self) -> bytes:
+        try:
+            async with asyncio.timeout(SNAPSHOT_TIMEOUT_S):
+                snapshot = await (await self._router.get()).snapshot.remote()
+        except Exception as exc:  # the ingress's own series are still worth serving
+            logger.warning("no router snapshot for /metrics: %r", exc)
+            if isinstance(exc, RayActorError):
+                self._router.reset()
+            snapshot = None
+        return self._metrics.render(snapshot)

@@ -1,0 +1,123 @@
+"""Prometheus metrics of the whole app, rendered by the ingress at /metrics, one series per replica.
+
+Two sources meet here. The ingress times every request itself (TTFT, inter-token latency,
+end-to-end latency, token counts) and labels it with the replica that served it. The engine
+gauges and cache counters, and the router's own series, come from the router actor, which
+receives every replica's stats after each engine step; they are read at scrape time.
+Names mirror vLLM's (vllm:* -> prefixserve:*) with the same meaning.
+"""
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from router.actor import RouterSnapshot
+
+PREFIX = "prefixserve:"
+# vLLM's buckets
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+
+
+class RequestTracker:
+    """Times one request as the ingress sees it; call observe() with each engine output."""
+
+    def __init__(self, metrics: "ServingMetrics", replica_id: str, arrival_time: float):
+        self._metrics = metrics
+        self._replica_id = replica_id
+        self._arrival_time = arrival_time
+        self._last_token_time: float | None = None
+
+    def observe(self, num_new_tokens: int, num_prompt_tokens: int, finished: bool) -> None:
+        now = time.monotonic()
+        metrics, replica_id = self._metrics, self._replica_id
+        if num_new_tokens:
+            if self._last_token_time is None:
+                metrics.ttft.labels(replica_id).observe(now - self._arrival_time)
+                metrics.prompt_tokens.labels(replica_id).inc(num_prompt_tokens)
+            else:
+                metrics.itl.labels(replica_id).observe(now - self._last_token_time)
+            self._last_token_time = now
+            metrics.generation_tokens.labels(replica_id).inc(num_new_tokens)
+        if finished:
+            metrics.e2e.labels(replica_id).observe(now - self._arrival_time)
+
+
+class ServingMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["replica"]
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(PREFIX + name, doc, labels, registry=self.registry)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token in seconds.", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between successive token outputs in seconds.",
+                             ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency in seconds.",
+                             E2E_BUCKETS)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self._router = RouterCollector()
+        self.registry.register(self._router)
+
+    def track(self, replica_id: str, arrival_time: float) -> RequestTracker:
+        return RequestTracker(self, replica_id, arrival_time)
+
+    def render(self, snapshot: RouterSnapshot | None) -> bytes:
+        """Prometheus text; without a snapshot (router unreachable) only the ingress's own series."""
+        self._router.snapshot = snapshot
+        return generate_latest(self.registry)
+
+
+class RouterCollector(Collector):
+    """Engine and router series from the router actor's latest snapshot."""
+
+    def __init__(self) -> None:
+        self.snapshot: RouterSnapshot | None = None
+
+    def collect(self):
+        if self.snapshot is None:
+            return
+        replicas = self.snapshot.replicas
+        per_replica = [
+            (GaugeMetricFamily, "num_requests_running", "Requests in the engine's running queue.",
+             lambda r: r.stats.num_running),
+            (GaugeMetricFamily, "num_requests_waiting", "Requests in the engine's waiting queue.",
+             lambda r: r.stats.num_waiting),
+            (GaugeMetricFamily, "kv_cache_usage_perc", "KV cache usage (1 = 100%).", lambda r: r.stats.kv_usage),
+            (CounterMetricFamily, "num_preemptions", "Requests preempted by the engine.",
+             lambda r: r.stats.num_preemptions),
+            (CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+             lambda r: r.stats.prefix_cache_queries),
+            (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+             lambda r: r.stats.prefix_cache_hits),
+            (GaugeMetricFamily, "router_index_blocks", "Blocks the router believes the replica caches.",
+             lambda r: r.index_blocks),
+            (GaugeMetricFamily, "router_requests_in_flight", "Requests routed to the replica and not finished.",
+             lambda r: r.num_in_flight),
+            (CounterMetricFamily, "router_predicted_cached_tokens",
+             "Prompt tokens the router expected cached on the replica it chose.",
+             lambda r: r.predicted_cached_tokens),
+            (CounterMetricFamily, "router_actual_cached_tokens",
+             "Prompt tokens the replica actually found cached, for the same requests.",
+             lambda r: r.actual_cached_tokens),
+        ]
+        for family, name, doc, value in per_replica:
+            metric = family(PREFIX + name, doc, labels=["replica"])
+            for replica_id, replica in sorted(replicas.items()):
+                metric.add_metric([replica_id], value(replica))
+            yield metric
+        decisions = CounterMetricFamily(PREFIX + "router_decisions", "Routing decisions by policy and outcome.",
+                                        labels=["policy", "outcome"])
+        for outcome, count in sorted(self.snapshot.decisions.items()):
+            decisions.add_metric([self.snapshot.policy, outcome], count)
+        yield decisions

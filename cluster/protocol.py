@@ -1,0 +1,201 @@
+"""The OpenAI wire format: request bodies, response and chunk builders, error bodies."""
+import abc
+import json
+import time
+from typing import Any, Literal
+
+import pydantic
+
+from replica.request import SamplingParams
+
+REPLICA_HEADER = "x-prefixserve-replica"
+
+
+class APIError(Exception):
+    """A request the server refuses, sent as OpenAI's {"error": {...}} body with a 4xx/5xx status."""
+
+    def __init__(self, message: str, *, status_code: int = 400, type: str = "invalid_request_error",
+                 code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.type = type
+        self.code = code
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def describe(error: pydantic.ValidationError) -> str:
+    """Each problem as "field: message", without pydantic's URLs and input echo."""
+    problems = []
+    for problem in error.errors(include_url=False, include_input=False):
+        field = ".".join(str(part) for part in problem["loc"])
+        message = problem["msg"].removeprefix("Value error, ")
+        problems.append(f"{field}: {message}" if field else message)
+    return "; ".join(problems)
+
+
+def validation_error(error: pydantic.ValidationError) -> APIError:
+    return APIError(describe(error))
+
+
+class StreamOptions(pydantic.BaseModel):
+    include_usage: bool = False
+
+
+class _GenerationRequest(pydantic.BaseModel):
+    """The fields completions and chat share. Unknown fields are ignored, as OpenAI's server does."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted as OpenAI does; not used
+    cache_salt: str | None = None
+    """Requests with different salts never share prefix-cache blocks (vLLM's extension)."""
+    ignore_eos: bool = False
+    """Generate max_tokens even past the end-of-sequence token (vLLM's extension, for benchmarks)."""
+
+    @pydantic.field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError("only n=1 is supported")
+        return n
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos)
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[int] | list[str]
+
+    @pydantic.field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt: str | list[int] | list[str]) -> str | list[int]:
+        if prompt and isinstance(prompt, list) and isinstance(prompt[0], str):
+            if len(prompt) > 1:
+                raise ValueError("batched prompts are not supported; send one prompt per request")
+            return prompt[0]
+        return prompt
+
+
+class TextPart(pydantic.BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(pydantic.BaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def as_template_input(self) -> dict[str, str]:
+        content = self.content or ""
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        return {"role": self.role, "content": content}
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = pydantic.Field(min_length=1)
+    max_completion_tokens: int | None = None
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": num_prompt_tokens + num_completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
+    }
+
+
+class ResponseFormat(abc.ABC):
+    """How one kind of endpoint (completions, chat) shapes its responses and stream chunks."""
+
+    object: str
+    chunk_object: str
+
+    def __init__(self, response_id: str, model: str):
+        self.response_id = response_id
+        self.model = model
+        self.created = int(time.time())
+
+    def response(self, text: str, finish_reason: str | None, usage_: dict[str, Any]) -> dict[str, Any]:
+        return self._envelope(self.object, [self.choice(text, finish_reason)], usage=usage_)
+
+    def chunk(self, text: str, finish_reason: str | None) -> str:
+        return sse(self._envelope(self.chunk_object, [self.chunk_choice(text, finish_reason)]))
+
+    def usage_chunk(self, usage_: dict[str, Any]) -> str:
+        return sse(self._envelope(self.chunk_object, [], usage=usage_))
+
+    def opening_chunks(self) -> list[str]:
+        return []
+
+    @abc.abstractmethod
+    def choice(self, text: str, finish_reason: str | None) -> dict[str, Any]: ...
+
+    @abc.abstractmethod
+    def chunk_choice(self, text: str, finish_reason: str | None) -> dict[str, Any]: ...
+
+    def _envelope(self, object_: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {"id": self.response_id, "object": object_, "created": self.created, "model": self.model,
+                "choices": choices, **extra}
+
+
+class CompletionFormat(ResponseFormat):
+    object = chunk_object = "text_completion"
+
+    def choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+    chunk_choice = choice
+
+
+class ChatFormat(ResponseFormat):
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": finish_reason}
+
+    def chunk_choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+        delta = {"content": text} if text else {}
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+    def opening_chunks(self) -> list[str]:
+        opening = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                   "finish_reason": None}
+        return [sse(self._envelope(self.chunk_object, [opening]))]
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    """One server-sent event."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+SSE_DONE = sse("[DONE]")

@@ -1,0 +1,196 @@
+"""OpenAIServing: OpenAI completion and chat requests in, engine requests out, engine outputs back.
+
+It tokenizes each prompt once (chat template applied), checks it against the model's limits,
+hashes its full blocks exactly as the replicas do (so the router can match them against their
+caches) and hands token ids and hashes to an engine client. Ray-free: the Serve ingress plugs in a
+client that calls the engine deployment; tests plug in a fake.
+"""
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import pydantic
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from cluster.engine_loop import EngineRequest
+from cluster.metrics import RequestTracker, ServingMetrics
+from cluster.protocol import (REPLICA_HEADER, SSE_DONE, APIError, ChatCompletionRequest, ChatFormat,
+                              CompletionFormat, CompletionRequest, ResponseFormat, sse, usage,
+                              validation_error)
+from replica.kv_cache import hash_token_blocks
+from replica.request import SamplingParams
+
+if TYPE_CHECKING:
+    from replica.engine import EngineOutput
+
+logger = logging.getLogger("ray.serve.prefixserve.serving")
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the ingress needs to know about the engines' model and cache."""
+    name: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    hash_seed: int = 0
+
+
+class EngineClient(Protocol):
+    def generate(self, request: EngineRequest) -> AsyncGenerator["str | EngineOutput", None]:
+        """First the id of the replica serving the request, then its outputs up to a finished one."""
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]: ...
+
+
+@dataclass
+class _Progress:
+    """What a request produced so far."""
+    text: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None
+
+    def add(self, output: "EngineOutput") -> None:
+        self.text.append(output.new_text)
+        self.num_tokens += len(output.new_token_ids)
+        self.num_prompt_tokens = output.num_prompt_tokens
+        self.num_cached_tokens = output.num_cached_tokens
+        self.finish_reason = output.finish_reason
+
+    def usage(self) -> dict[str, Any]:
+        return usage(self.num_prompt_tokens, self.num_tokens, self.num_cached_tokens)
+
+
+class OpenAIServing:
+    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, model: ModelInfo, metrics: ServingMetrics):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model = model
+        self.metrics = metrics
+
+    def list_models(self) -> dict[str, Any]:
+        card = {"id": self.model.name, "object": "model", "created": 0, "owned_by": "prefixserve",
+                "max_model_len": self.model.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    async def create_completion(self, body: CompletionRequest, arrival_time: float) -> Response:
+        self._check_model(body.model)
+        if isinstance(body.prompt, str):
+            prompt_token_ids = self.tokenizer.encode(body.prompt)
+        else:
+            prompt_token_ids = self._check_token_ids(body.prompt)
+        response_format = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", self.model.name)
+        return await self._generate(body, prompt_token_ids, response_format, arrival_time,
+                                    default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS)
+
+    async def create_chat_completion(self, body: ChatCompletionRequest, arrival_time: float) -> Response:
+        self._check_model(body.model)
+        try:
+            prompt_token_ids = self.tokenizer.apply_chat_template([m.as_template_input() for m in body.messages])
+        except ValueError as exc:  # the template refused the conversation
+            raise APIError(str(exc), param="messages") from None
+        response_format = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", self.model.name)
+        return await self._generate(body, prompt_token_ids, response_format, arrival_time)
+
+    async def _generate(self, body: CompletionRequest | ChatCompletionRequest, prompt_token_ids: list[int],
+                        response_format: ResponseFormat, arrival_time: float, *,
+                        default_max_tokens: int | None = None) -> Response:
+        params = self._sampling_params(body, len(prompt_token_ids), default_max_tokens)
+        request = EngineRequest(
+            request_id=response_format.response_id, prompt_token_ids=prompt_token_ids,
+            block_hashes=hash_token_blocks(prompt_token_ids, self.model.block_size, cache_salt=body.cache_salt,
+                                           seed=self.model.hash_seed),
+            params=params, cache_salt=body.cache_salt)
+        outputs = self.engine.generate(request)
+        replica_id = await anext(outputs)
+        tracker = self.metrics.track(replica_id, arrival_time)
+        headers = {REPLICA_HEADER: replica_id}
+        if body.stream:
+            return StreamingResponse(self._stream(outputs, response_format, tracker, body.include_usage),
+                                     media_type="text/event-stream", headers=headers)
+        progress = await self._collect(outputs, tracker)
+        return JSONResponse(response_format.response("".join(progress.text), progress.finish_reason,
+                                                     progress.usage()), headers=headers)
+
+    def _sampling_params(self, body: CompletionRequest | ChatCompletionRequest, num_prompt_tokens: int,
+                         default_max_tokens: int | None) -> SamplingParams:
+        max_model_len = self.model.max_model_len
+        if num_prompt_tokens == 0:
+            raise APIError("the prompt is empty", param="prompt")
+        if num_prompt_tokens >= max_model_len:
+            raise APIError(f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
+                           f"{num_prompt_tokens} tokens.", code="context_length_exceeded")
+        room = max_model_len - num_prompt_tokens
+        max_tokens = body.requested_max_tokens
+        if max_tokens is None:
+            max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+        elif max_tokens > room:
+            raise APIError(f"This model's maximum context length is {max_model_len} tokens; the prompt has "
+                           f"{num_prompt_tokens} tokens, which leaves room for {room} generated tokens, "
+                           f"but max_tokens is {max_tokens}.", code="context_length_exceeded", param="max_tokens")
+        try:
+            return body.sampling_params(max_tokens)
+        except pydantic.ValidationError as exc:
+            raise validation_error(exc) from None
+
+    async def _collect(self, outputs: AsyncGenerator["EngineOutput", None], tracker: RequestTracker) -> _Progress:
+        progress = _Progress()
+        try:
+            async for output in outputs:
+                progress.add(output)
+                tracker.observe(len(output.new_token_ids), output.num_prompt_tokens, output.finished)
+        except ValueError as exc:  # the engine refused the request
+            raise APIError(str(exc)) from None
+        finally:
+            await outputs.aclose()
+        return progress
+
+    async def _stream(self, outputs: AsyncGenerator["EngineOutput", None], response_format: ResponseFormat,
+                      tracker: RequestTracker, include_usage: bool) -> AsyncIterator[str]:
+        progress = _Progress()
+        try:
+            for chunk in response_format.opening_chunks():
+                yield chunk
+            async for output in outputs:
+                progress.add(output)
+                tracker.observe(len(output.new_token_ids), output.num_prompt_tokens, output.finished)
+                if output.new_text or output.finished:
+                    yield response_format.chunk(output.new_text, output.finish_reason)
+            if include_usage:
+                yield response_format.usage_chunk(progress.usage())
+        except ValueError as exc:
+            yield sse(APIError(str(exc)).body())
+        except Exception:
+            # The status line is already sent: report the failure in the stream, as OpenAI does.
+            logger.exception("stream %s failed", response_format.response_id)
+            yield sse(internal_error().body())
+        finally:
+            await outputs.aclose()
+        yield SSE_DONE
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model.name:
+            raise APIError(f"The model `{model}` does not exist.", status_code=404, code="model_not_found",
+                           param="model")
+
+    def _check_token_ids(self, token_ids: list[int]) -> list[int]:
+        vocab_size = self.model.vocab_size
+        if not all(0 <= token_id < vocab_size for token_id in token_ids):
+            raise APIError(f"prompt token ids must lie in [0, {vocab_size})", param="prompt")
+        return token_ids
+
+
+def internal_error() -> APIError:
+    return APIError("The server had an error while processing your request.", status_code=500,
+                    type="server_error")

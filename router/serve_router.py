@@ -1,0 +1,102 @@
+"""PrefixAwareRequestRouter: Ray Serve's request router for the engine deployment.
+
+It runs inside every process holding a handle to the engines (the ingress) and asks the app's
+RouterActor which replica gets each request, without blocking the event loop. When the actor is
+slow or gone it falls back to Serve's own choice (the least queued of all candidates), so routing
+degrades to load balancing, never to a stall. Replicas that leave are removed from the actor.
+"""
+import asyncio
+import logging
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+from ray.exceptions import RayActorError
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from replica.kv_cache import BlockHash
+from router.actor import RouterClient
+from router.policy import PolicyConfig, RoutingDecision
+
+logger = logging.getLogger("ray.serve.prefixserve.router")
+
+
+class Routable(Protocol):
+    """What the router reads from a request: the first argument of the engine call."""
+    request_id: str
+    block_hashes: list[BlockHash]
+
+
+class PrefixAwareRequestRouter(RequestRouter):
+    def initialize_state(self, policy: dict[str, Any] | None = None, block_size: int = 16,
+                         timeout_s: float = 0.2, router: RouterClient | None = None) -> None:
+        """Serve passes RequestRouterConfig.request_router_kwargs here; `router` is for tests."""
+        self._policy = PolicyConfig.model_validate(policy or {})
+        self._router = router or RouterClient(self.app_name, self._policy, block_size)
+        self._timeout_s = timeout_s
+        self._actor_ok = True
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        request = _routable(pending_request)
+        if request is None or not candidate_replicas:
+            return [candidate_replicas]
+        by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
+        decision = await self._ask(request, list(by_id))
+        chosen = by_id.get(decision.replica_id) if decision is not None else None
+        if chosen is None:
+            return [candidate_replicas]
+        # Should the chosen replica refuse (queue full), Serve moves on to the second tier.
+        return [[chosen], [replica for replica in candidate_replicas if replica is not chosen]]
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        gone = self._replica_id_set - {replica.replica_id for replica in replicas}
+        super().update_replicas(replicas)
+        self._forget(gone)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._forget([replica_id])
+
+    async def _ask(self, request: Routable, candidates: list[str]) -> RoutingDecision | None:
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                decision = await self._choose(request, candidates)
+        except Exception as exc:  # slow, dead or unreachable: any of them means Serve routes this one
+            self._report_actor(ok=False, reason=exc)
+            return None
+        self._report_actor(ok=True)
+        return decision
+
+    async def _choose(self, request: Routable, candidates: list[str]) -> RoutingDecision:
+        router = await self._router.get()
+        try:
+            return await router.choose.remote(request.request_id, request.block_hashes, candidates)
+        except RayActorError:
+            self._router.reset()
+            raise
+
+    def _forget(self, replica_ids: Iterable[ReplicaID]) -> None:
+        for replica_id in replica_ids:
+            self._event_loop.create_task(self._remove(replica_id.unique_id))
+
+    async def _remove(self, replica_id: str) -> None:
+        try:
+            router = await self._router.get()
+            await router.remove_replica.remote(replica_id)
+        except Exception as exc:
+            logger.warning("could not remove replica %s from the router: %s", replica_id, exc)
+
+    def _report_actor(self, *, ok: bool, reason: BaseException | None = None) -> None:
+        if ok != self._actor_ok:
+            if ok:
+                logger.info("router actor answers again; routing by %s", self._policy.policy)
+            else:
+                logger.warning("router actor did not answer (%r); falling back to Serve's routing", reason)
+        self._actor_ok = ok
+
+
+def _routable(pending_request: PendingRequest | None) -> Routable | None:
+    if pending_request is None or not pending_request.args:
+        return None
+    request = pending_request.args[0]
+    return request if hasattr(request, "block_hashes") else None

@@ -1,0 +1,127 @@
+"""Stand-ins for the engine, its client and the tokenizer, so the Serve glue is tested without a model."""
+from dataclasses import dataclass
+
+from cluster.engine_loop import EngineRequest
+from replica.kv_cache import BlockStored, hash_token_blocks
+from replica.scheduler import SchedulerStats
+
+BLOCK_SIZE = 4
+HASH_SEED = 7
+VOCAB_SIZE = 256
+
+
+@dataclass
+class FakeEngineOutput:
+    """Has EngineOutput's fields."""
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    logprobs: list[float] | None = None
+
+
+class FakeTokenizer:
+    """One token per character; the chat template writes "role: content" lines then "assistant: "."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(char) % VOCAB_SIZE for char in text]
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if messages[-1]["role"] == "assistant":
+            raise ValueError("chat template: the last message must not be the assistant's")
+        text = "".join(f"{message['role']}: {message['content']}\n" for message in messages)
+        return self.encode(text + "assistant: ")
+
+
+def output_text(index: int) -> str:
+    return f"t{index} "
+
+
+class FakeEngineCore:
+    """Generates token 100 + i as text "t<i> " until max_tokens; reports a cached-prefix of one block."""
+
+    def __init__(self, *, fail_step: bool = False):
+        self.requests: dict[str, EngineRequest] = {}
+        self.generated: dict[str, int] = {}
+        self.aborted: list[str] = []
+        self.num_steps = 0
+        self.fail_step = fail_step
+        self.cached: list[bytes] = []
+        self._events: list = []
+
+    def add_request(self, request_id, prompt_token_ids, params, *, priority=0, cache_salt=None,
+                    arrival_time=None) -> None:
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if request_id in self.requests:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        self.requests[request_id] = EngineRequest(request_id, prompt_token_ids, [], params, cache_salt)
+        self.generated[request_id] = 0
+        hashes = hash_token_blocks(prompt_token_ids, BLOCK_SIZE, seed=HASH_SEED)
+        new = [block_hash for block_hash in hashes if block_hash not in self.cached]
+        self.cached.extend(new)
+        if new:
+            self._events.append(BlockStored(new, None, [], BLOCK_SIZE))
+
+    def step(self) -> list[FakeEngineOutput]:
+        self.num_steps += 1
+        if self.fail_step:
+            raise RuntimeError("the model crashed")
+        outputs = []
+        for request_id, request in list(self.requests.items()):
+            index = self.generated[request_id]
+            self.generated[request_id] += 1
+            finished = index + 1 == request.params.max_tokens
+            outputs.append(FakeEngineOutput(request_id, [100 + index], output_text(index), finished,
+                                            "length" if finished else None, len(request.prompt_token_ids),
+                                            BLOCK_SIZE))
+            if finished:
+                del self.requests[request_id]
+        return outputs
+
+    def abort(self, request_ids) -> None:
+        for request_id in request_ids:
+            if self.requests.pop(request_id, None) is not None:
+                self.aborted.append(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def take_kv_events(self) -> list:
+        events, self._events = self._events, []
+        return events
+
+    def cached_block_hashes(self) -> list[bytes]:
+        return list(self.cached)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(num_running=len(self.requests), num_waiting=0, kv_usage=0.5 if self.requests else 0.0,
+                              num_preemptions=0, prefix_cache_queries=0, prefix_cache_hits=0)
+
+
+class FakeEngineClient:
+    """The ingress's view of the engine deployment: replica id first, then a FakeEngineCore's outputs."""
+
+    def __init__(self, replica_id: str = "replica-a", *, error: Exception | None = None):
+        self.replica_id = replica_id
+        self.error = error
+        self.requests: list[EngineRequest] = []
+        self.abandoned: list[str] = []  # requests whose stream was closed before they finished
+
+    async def generate(self, request: EngineRequest):
+        self.requests.append(request)
+        core = FakeEngineCore()
+        core.add_request(request.request_id, request.prompt_token_ids, request.params)
+        yield self.replica_id
+        try:
+            while core.has_unfinished():
+                if self.error is not None:
+                    raise self.error
+                for output in core.step():
+                    yield output
+        finally:
+            if core.has_unfinished():
+                self.abandoned.append(request.request_id)

@@ -1,0 +1,291 @@
+"""The HTTP layer through its public entry point (build_api), with a fake engine: protocol, errors, SSE."""
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from cluster.api import build_api
+from cluster.metrics import ServingMetrics
+from cluster.protocol import REPLICA_HEADER, CompletionRequest
+from cluster.serving import ModelInfo, OpenAIServing
+from replica.kv_cache import hash_token_blocks
+from replica.request import SamplingParams
+from replica.scheduler import SchedulerStats
+from router.actor import ReplicaSnapshot, RouterSnapshot
+
+from .fakes import BLOCK_SIZE, HASH_SEED, VOCAB_SIZE, FakeEngineClient, FakeTokenizer
+
+MODEL = "fake-model"
+MAX_MODEL_LEN = 64
+CHAT_PROMPT = "system: Be brief.\nuser: Hi\nassistant: "
+
+
+def make_app(engine: FakeEngineClient | None = None, *, api_key: str | None = None,
+             snapshot: RouterSnapshot | None = None):
+    serving = OpenAIServing(engine or FakeEngineClient(), FakeTokenizer(),
+                            ModelInfo(MODEL, MAX_MODEL_LEN, VOCAB_SIZE, BLOCK_SIZE, HASH_SEED), ServingMetrics())
+
+    async def render_metrics() -> bytes:
+        return serving.metrics.render(snapshot)
+
+    return build_api(serving, render_metrics=render_metrics, api_key=api_key)
+
+
+def http_client(app) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app, raise_app_exceptions=False),
+                             base_url="http://test")
+
+
+def request(app, method: str, path: str, **kwargs) -> httpx.Response:
+    async def send():
+        async with http_client(app) as client:
+            return await client.request(method, path, **kwargs)
+    return asyncio.run(send())
+
+
+def with_openai(app, use, api_key: str = "sk-test"):
+    async def run():
+        async with openai.AsyncOpenAI(base_url="http://test/v1", api_key=api_key, http_client=http_client(app),
+                                      max_retries=0) as client:
+            return await use(client)
+    return asyncio.run(run())
+
+
+def error_of(response: httpx.Response) -> dict:
+    body = response.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+def test_completion_returns_text_usage_and_the_serving_replica():
+    engine = FakeEngineClient("replica-7")
+    response = request(make_app(engine), "POST", "/v1/completions",
+                       json={"model": MODEL, "prompt": "hello world", "max_tokens": 3, "temperature": 0})
+    assert response.status_code == 200
+    assert response.headers[REPLICA_HEADER] == "replica-7"
+    body = response.json()
+    assert body["object"] == "text_completion"
+    assert body["model"] == MODEL
+    assert body["choices"] == [{"index": 0, "text": "t0 t1 t2 ", "logprobs": None, "finish_reason": "length"}]
+    assert body["usage"] == {"prompt_tokens": 11, "completion_tokens": 3, "total_tokens": 14,
+                             "prompt_tokens_details": {"cached_tokens": BLOCK_SIZE}}
+
+
+def test_engine_gets_token_ids_block_hashes_and_sampling_params():
+    engine = FakeEngineClient()
+    request(make_app(engine), "POST", "/v1/completions",
+            json={"model": MODEL, "prompt": "hello world", "max_tokens": 2, "temperature": 0.5, "top_p": 0.9,
+                  "top_k": 5, "seed": 11, "stop": "\n", "user": "u1", "cache_salt": "s", "ignore_eos": True})
+    [sent] = engine.requests
+    token_ids = FakeTokenizer().encode("hello world")
+    assert sent.prompt_token_ids == token_ids
+    assert sent.block_hashes == hash_token_blocks(token_ids, BLOCK_SIZE, cache_salt="s", seed=HASH_SEED)
+    assert len(sent.block_hashes) == 2
+    assert sent.cache_salt == "s"
+    assert sent.params == SamplingParams(max_tokens=2, temperature=0.5, top_p=0.9, top_k=5, seed=11, stop=["\n"],
+                                         ignore_eos=True)
+    assert sent.request_id.startswith("cmpl-")
+
+
+def test_completion_accepts_token_ids_and_defaults_to_16_tokens():
+    engine = FakeEngineClient()
+    response = request(make_app(engine), "POST", "/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3]})
+    assert response.json()["usage"]["completion_tokens"] == 16
+    assert engine.requests[0].prompt_token_ids == [1, 2, 3]
+
+
+def test_chat_applies_the_template_and_defaults_to_the_rest_of_the_context():
+    engine = FakeEngineClient()
+
+    async def chat(client: openai.AsyncOpenAI):
+        return await client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+
+    raw = with_openai(make_app(engine), chat)
+    completion = raw.parse()
+    assert raw.headers[REPLICA_HEADER] == "replica-a"
+    assert engine.requests[0].prompt_token_ids == FakeTokenizer().encode(CHAT_PROMPT)
+    num_prompt_tokens = len(CHAT_PROMPT)
+    assert engine.requests[0].params.max_tokens == MAX_MODEL_LEN - num_prompt_tokens
+    assert completion.choices[0].message.role == "assistant"
+    assert completion.choices[0].message.content == "".join(f"t{i} " for i in range(MAX_MODEL_LEN - num_prompt_tokens))
+    assert completion.usage.prompt_tokens_details.cached_tokens == BLOCK_SIZE
+
+
+def test_completion_stream_through_the_openai_client():
+    async def stream(client: openai.AsyncOpenAI):
+        chunks = await client.completions.create(model=MODEL, prompt="hello", max_tokens=3, stream=True,
+                                                 stream_options={"include_usage": True})
+        return [chunk async for chunk in chunks]
+
+    chunks = with_openai(make_app(), stream)
+    assert [chunk.choices[0].text for chunk in chunks[:-1]] == ["t0 ", "t1 ", "t2 "]
+    assert [chunk.choices[0].finish_reason for chunk in chunks[:-1]] == [None, None, "length"]
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == 3
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == BLOCK_SIZE
+
+
+def test_chat_stream_is_server_sent_events_ending_with_done():
+    response = request(make_app(), "POST", "/v1/chat/completions",
+                       json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+                             "stream": True})
+    assert response.headers["content-type"].startswith("text/event-stream")
+    assert response.headers[REPLICA_HEADER] == "replica-a"
+    events = response.text.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    chunks = [json.loads(event.removeprefix("data: ")) for event in events[:-2]]
+    assert [chunk["object"] for chunk in chunks] == ["chat.completion.chunk"] * 3
+    assert [chunk["choices"][0]["delta"] for chunk in chunks] == [
+        {"role": "assistant", "content": ""}, {"content": "t0 "}, {"content": "t1 "}]
+    assert [chunk["choices"][0]["finish_reason"] for chunk in chunks] == [None, None, "length"]
+
+
+def test_engine_failure_mid_stream_is_an_error_event_then_done():
+    engine = FakeEngineClient(error=ValueError("the engine refused it"))
+    response = request(make_app(engine), "POST", "/v1/completions",
+                       json={"model": MODEL, "prompt": "hello", "stream": True})
+    assert response.status_code == 200
+    assert response.text == ('data: {"error": {"message": "the engine refused it", "type": "invalid_request_error", '
+                             '"param": null, "code": null}}\n\ndata: [DONE]\n\n')
+
+
+def test_closing_a_stream_early_abandons_the_engine_stream():
+    engine = FakeEngineClient()
+    serving = OpenAIServing(engine, FakeTokenizer(), ModelInfo(MODEL, MAX_MODEL_LEN, VOCAB_SIZE, BLOCK_SIZE), ServingMetrics())
+    body = CompletionRequest(model=MODEL, prompt="hello", max_tokens=50, stream=True)
+
+    async def read_one_chunk_then_disconnect():
+        response = await serving.create_completion(body, arrival_time=0.0)
+        first = await anext(response.body_iterator)
+        await response.body_iterator.aclose()
+        return first
+
+    assert '"text": "t0 "' in asyncio.run(read_one_chunk_then_disconnect())
+    assert engine.abandoned == [engine.requests[0].request_id]
+
+
+def test_a_finished_stream_is_not_abandoned():
+    engine = FakeEngineClient()
+    request(make_app(engine), "POST", "/v1/completions", json={"model": MODEL, "prompt": "hi", "stream": True})
+    assert engine.abandoned == []
+
+
+@pytest.mark.parametrize("body, status, message, code", [
+    ('{"model": ', 400, "Invalid JSON: EOF while parsing a value at line 1 column 10", None),
+    ({"model": "gpt-4", "prompt": "hi"}, 404, "The model `gpt-4` does not exist.", "model_not_found"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens must be at least 1, got 0", None),
+    ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n: only n=1 is supported", None),
+    ({"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature must be non-negative, got -1.0", None),
+    ({"model": MODEL}, 400, "prompt: Field required", None),
+    ({"model": MODEL, "prompt": ""}, 400, "the prompt is empty", None),
+    ({"model": MODEL, "prompt": []}, 400, "the prompt is empty", None),
+    ({"model": MODEL, "prompt": ["a", "b"]}, 400,
+     "prompt: batched prompts are not supported; send one prompt per request", None),
+    ({"model": MODEL, "prompt": [1, 256]}, 400, "prompt token ids must lie in [0, 256)", None),
+    ({"model": MODEL, "prompt": "x" * MAX_MODEL_LEN}, 400,
+     f"This model's maximum context length is {MAX_MODEL_LEN} tokens, but the prompt has {MAX_MODEL_LEN} tokens.",
+     "context_length_exceeded"),
+    ({"model": MODEL, "prompt": "x" * 60, "max_tokens": 5}, 400,
+     f"This model's maximum context length is {MAX_MODEL_LEN} tokens; the prompt has 60 tokens, which leaves room "
+     "for 4 generated tokens, but max_tokens is 5.", "context_length_exceeded"),
+])
+def test_bad_completion_requests_get_openai_errors(body, status, message, code):
+    engine = FakeEngineClient()
+    kwargs = {"content": body} if isinstance(body, str) else {"json": body}
+    response = request(make_app(engine), "POST", "/v1/completions", **kwargs)
+    assert response.status_code == status
+    error = error_of(response)
+    assert (error["message"], error["type"], error["code"]) == (message, "invalid_request_error", code)
+    assert engine.requests == []
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"model": MODEL}, "messages: Field required"),
+    ({"model": MODEL, "messages": []}, "messages: List should have at least 1 item after validation, not 0"),
+    ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]},
+     "messages.0.role: Input should be 'system', 'developer', 'user', 'assistant' or 'tool'"),
+    ({"model": MODEL, "messages": [{"role": "assistant", "content": "hi"}]},
+     "chat template: the last message must not be the assistant's"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -3},
+     "max_tokens must be at least 1, got -3"),
+])
+def test_bad_chat_requests_get_openai_errors(body, message):
+    response = request(make_app(), "POST", "/v1/chat/completions", json=body)
+    assert response.status_code == 400
+    assert error_of(response)["message"] == message
+
+
+def test_the_openai_client_raises_on_errors():
+    async def unknown_model(client: openai.AsyncOpenAI):
+        await client.completions.create(model="nope", prompt="hi")
+
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        with_openai(make_app(), unknown_model)
+
+
+def test_unknown_routes_and_methods_are_openai_errors():
+    app = make_app()
+    assert error_of(request(app, "GET", "/v1/nothing"))["message"] == "Not Found"
+    response = request(app, "GET", "/v1/completions")
+    assert response.status_code == 405
+    assert error_of(response)["message"] == "Method Not Allowed"
+
+
+def test_api_key_guards_v1_routes_but_not_health_or_metrics():
+    app = make_app(api_key="secret")
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "secret"}):
+        response = request(app, "POST", "/v1/completions", json=body, headers=headers)
+        assert response.status_code == 401
+        assert error_of(response)["code"] == "invalid_api_key"
+    assert request(app, "GET", "/v1/models").status_code == 401
+    assert request(app, "POST", "/v1/completions", json=body,
+                   headers={"Authorization": "Bearer secret"}).status_code == 200
+    assert request(app, "GET", "/health").status_code == 200
+    assert request(app, "GET", "/metrics").status_code == 200
+
+    async def authorized(client: openai.AsyncOpenAI):
+        return await client.models.list()
+
+    assert [model.id for model in with_openai(app, authorized, api_key="secret").data] == [MODEL]
+    with pytest.raises(openai.AuthenticationError):
+        with_openai(app, authorized, api_key="wrong")
+
+
+def test_models_lists_the_served_model():
+    assert request(make_app(), "GET", "/v1/models").json() == {"object": "list", "data": [
+        {"id": MODEL, "object": "model", "created": 0, "owned_by": "prefixserve", "max_model_len": MAX_MODEL_LEN}]}
+
+
+def test_metrics_have_one_series_per_replica():
+    stats = SchedulerStats(num_running=2, num_waiting=1, kv_usage=0.25, num_preemptions=3, prefix_cache_queries=40,
+                           prefix_cache_hits=16)
+    snapshot = RouterSnapshot("prefix", {"replica-a": ReplicaSnapshot(stats, 5, 2, 32, 16)},
+                              {"prefix_hit": 4, "no_hit": 1})
+    app = make_app(FakeEngineClient("replica-a"), snapshot=snapshot)
+    request(app, "POST", "/v1/completions", json={"model": MODEL, "prompt": "hello world", "max_tokens": 3})
+    lines = set(request(app, "GET", "/metrics").text.splitlines())
+    for line in [
+        'prefixserve:generation_tokens_total{replica="replica-a"} 3.0',
+        'prefixserve:prompt_tokens_total{replica="replica-a"} 11.0',
+        'prefixserve:time_to_first_token_seconds_count{replica="replica-a"} 1.0',
+        'prefixserve:inter_token_latency_seconds_count{replica="replica-a"} 2.0',
+        'prefixserve:e2e_request_latency_seconds_count{replica="replica-a"} 1.0',
+        'prefixserve:num_requests_running{replica="replica-a"} 2.0',
+        'prefixserve:num_requests_waiting{replica="replica-a"} 1.0',
+        'prefixserve:kv_cache_usage_perc{replica="replica-a"} 0.25',
+        'prefixserve:num_preemptions_total{replica="replica-a"} 3.0',
+        'prefixserve:prefix_cache_queries_total{replica="replica-a"} 40.0',
+        'prefixserve:prefix_cache_hits_total{replica="replica-a"} 16.0',
+        'prefixserve:router_index_blocks{replica="replica-a"} 5.0',
+        'prefixserve:router_requests_in_flight{replica="replica-a"} 2.0',
+        'prefixserve:router_predicted_cached_tokens_total{replica="replica-a"} 32.0',
+        'prefixserve:router_actual_cached_tokens_total{replica="replica-a"} 16.0',
+        'prefixserve:router_decisions_total{outcome="prefix_hit",policy="prefix"} 4.0',
+        'prefixserve:router_decisions_total{outcome="no_hit",policy="prefix"} 1.0',
+    ]:
+        assert line in lines

@@ -1,0 +1,39 @@
+"""build_app (the Serve application builder the Helm chart names) and the engine deployment's options."""
+import pydantic
+import pytest
+from ray.serve import Application
+
+from cluster.app import build_app, engine_options
+from cluster.config import ClusterConfig
+from router.serve_router import PrefixAwareRequestRouter
+
+
+def test_build_app_takes_cluster_config_fields():
+    assert isinstance(build_app({"num_replicas": 3, "routing_policy": "round_robin", "engine": {"block_size": 32}}),
+                      Application)
+    with pytest.raises(pydantic.ValidationError, match="routing_polic"):
+        build_app({"routing_policy": "random"})
+    with pytest.raises(pydantic.ValidationError, match="num_replica\n"):
+        build_app({"num_replica": 3})
+
+
+def test_engine_deployment_routes_through_the_prefix_aware_router():
+    config = ClusterConfig(num_replicas=3, routing_policy="least_loaded", engine={"block_size": 32},
+                           replica_num_cpus=2, replica_num_gpus=1, router_timeout_s=0.5)
+    options = engine_options(config)
+    assert options["num_replicas"] == 3
+    assert "autoscaling_config" not in options
+    assert options["ray_actor_options"] == {"num_cpus": 2, "num_gpus": 1}
+    router_config = options["request_router_config"]
+    assert router_config.get_request_router_class() is PrefixAwareRequestRouter
+    assert router_config.request_router_kwargs == {
+        "policy": config.policy.model_dump(), "block_size": 32, "timeout_s": 0.5}
+    assert router_config.request_router_kwargs["policy"]["policy"] == "least_loaded"
+
+
+def test_autoscaling_replaces_the_fixed_replica_count():
+    config = ClusterConfig(autoscaling={"min_replicas": 1, "max_replicas": 4})
+    options = engine_options(config)
+    assert "num_replicas" not in options
+    assert options["autoscaling_config"] == config.autoscaling.to_serve_config()
+    assert options["autoscaling_config"]["policy"]["policy_function"] == "cluster.autoscaling:preemption_policy"

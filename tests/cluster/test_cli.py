@@ -1,0 +1,62 @@
+"""`prefixserve serve` arguments -> ClusterConfig, and its --help (no cluster started)."""
+import pytest
+
+from cluster.cli import build_parser, config_from_args, main
+from cluster.config import ClusterConfig
+
+
+def parse(*argv: str) -> ClusterConfig:
+    return config_from_args(build_parser().parse_args(["serve", *argv]))
+
+
+def test_defaults_are_the_configs_defaults(monkeypatch):
+    monkeypatch.delenv("PREFIXSERVE_API_KEY", raising=False)
+    assert parse() == ClusterConfig()
+
+
+def test_flags_reach_the_config(monkeypatch):
+    monkeypatch.setenv("PREFIXSERVE_API_KEY", "from-env")
+    config = parse("--replicas", "3", "--model", "/m.gguf", "--num-kv-blocks", "64", "--block-size", "32",
+                   "--max-num-seqs", "8", "--max-num-batched-tokens", "512", "--max-model-len", "1024",
+                   "--long-prefill-token-threshold", "128", "--policy", "priority", "--routing-policy",
+                   "least_loaded", "--no-prefix-caching", "--dtype", "float32", "--replica-cpus", "2")
+    assert config.num_replicas == 3
+    assert config.routing_policy == "least_loaded"
+    assert config.api_key == "from-env"
+    assert config.replica_num_cpus == 2.0
+    engine = config.engine
+    assert (engine.model, engine.num_kv_blocks, engine.block_size, engine.dtype) == ("/m.gguf", 64, 32, "float32")
+    assert (engine.max_num_seqs, engine.max_num_batched_tokens, engine.max_model_len) == (8, 512, 1024)
+    assert (engine.long_prefill_token_threshold, engine.policy, engine.enable_prefix_caching) == (128, "priority", False)
+    assert parse("--api-key", "flag").api_key == "flag"
+
+
+def test_autoscaling_starts_at_the_replica_count_within_bounds():
+    assert parse("--autoscale", "1", "4").autoscaling.model_dump(include={"min_replicas", "max_replicas",
+                                                                          "initial_replicas"}) == {
+        "min_replicas": 1, "max_replicas": 4, "initial_replicas": 2}
+    assert parse("--replicas", "9", "--autoscale", "1", "4").autoscaling.initial_replicas == 4
+    assert parse().autoscaling is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--num-kv-blocks", "64", "--kv-cache-gib", "2"], "not allowed with argument"),
+    (["--replicas", "0"], "num_replicas: Input should be greater than or equal to 1"),
+    (["--block-size", "0"], "engine.block_size: Input should be greater than or equal to 1"),
+    (["--routing-policy", "random"], "invalid choice"),
+])
+def test_bad_flags_exit_with_a_message(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_help_documents_every_option(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    help_text = capsys.readouterr().out
+    for option in ("--replicas", "--host", "--port", "--model", "--num-kv-blocks", "--kv-cache-gib", "--block-size",
+                   "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len", "--policy", "--routing-policy",
+                   "--api-key", "--address"):
+        assert option in help_text

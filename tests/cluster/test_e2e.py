@@ -1,0 +1,196 @@
+"""The real app on a real Ray cluster: 2 engine replicas of the default model, driven by the openai client.
+
+One Ray cluster for the module. The app is first deployed with prefix routing from this process;
+the last test redeploys it with round_robin through `prefixserve serve --address ...` (joining
+this cluster) and stops that with SIGINT, as Ctrl-C would.
+"""
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+import ray
+from ray import serve
+
+from cluster.app import APP_NAME, build
+from cluster.config import ClusterConfig
+from cluster.protocol import REPLICA_HEADER
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+MODEL = "SmolLM2-135M-Instruct"
+MAX_MODEL_LEN = 512
+ENGINE = {"num_kv_blocks": 160, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 16}
+STARTUP_TIMEOUT_S = 240
+# Two long system prompts: each group's requests share one of them, then differ in the question.
+PREFIXES = {
+    "astronomy": "You are an astronomy tutor. " + " ".join(
+        f"Fact {i}: the planet number {i} of the catalogue orbits a distant star." for i in range(12)),
+    "cooking": "You are a cooking assistant. " + " ".join(
+        f"Recipe {i}: take {i} cups of flour, mix with water and bake for {i + 10} minutes." for i in range(12)),
+}
+QUESTIONS = ["What is the first fact?", "Summarize in one word.", "What comes next?"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def base_url():
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    port = free_port()
+    ray.init(num_cpus=max(2, os.cpu_count() or 1), include_dashboard=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build(ClusterConfig(engine=ENGINE, num_replicas=2)), name=APP_NAME, route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture
+def client(base_url):
+    with openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120) as client:
+        yield client
+
+
+def complete(client: openai.OpenAI, prompt: str, **kwargs):
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt=prompt, temperature=0, **kwargs)
+    return raw.headers[REPLICA_HEADER], raw.parse()
+
+
+def test_completion_from_the_real_model(client):
+    replica_id, completion = complete(client, "The capital of France is", max_tokens=4)
+    assert replica_id
+    assert "Paris" in completion.choices[0].text
+    assert completion.choices[0].finish_reason == "length"
+    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (5, 4)
+
+
+def test_chat_with_the_models_template(client):
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=6, temperature=0, seed=1)
+    chat = raw.parse()
+    assert raw.headers[REPLICA_HEADER]
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].message.content
+    assert chat.usage.completion_tokens <= 6
+    assert chat.usage.prompt_tokens > 20  # the template's default system prompt is in there
+
+
+def test_stream_is_sse_ending_with_done(base_url, client):
+    chunks = list(client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5, stream=True,
+                                            temperature=0, stream_options={"include_usage": True}))
+    text = "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
+    assert chunks[-1].usage.completion_tokens == 5
+    _, whole = complete(client, "Once upon a time", max_tokens=5)
+    assert text == whole.choices[0].text
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": True}) as r:
+        assert r.headers[REPLICA_HEADER]
+        events = r.read().decode().split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    assert json.loads(events[0].removeprefix("data: "))["choices"][0]["delta"]["role"] == "assistant"
+
+
+@pytest.mark.parametrize("path, body, status, code", [
+    ("/v1/completions", "{not json", 400, None),
+    ("/v1/completions", {"model": "gpt-4o", "prompt": "hi"}, 404, "model_not_found"),
+    ("/v1/chat/completions", {"model": MODEL}, 400, None),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, None),
+    ("/v1/completions", {"model": MODEL, "prompt": "word " * MAX_MODEL_LEN}, 400, "context_length_exceeded"),
+])
+def test_bad_input_is_an_openai_error(base_url, path, body, status, code):
+    kwargs = {"content": body} if isinstance(body, str) else {"json": body}
+    response = httpx.post(base_url + path, timeout=30, **kwargs)
+    assert response.status_code == status
+    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    assert response.json()["error"]["code"] == code
+
+
+def test_models_health_and_metrics(base_url, client):
+    assert [model.id for model in client.models.list().data] == [MODEL]
+    assert httpx.get(f"{base_url}/health").status_code == 200
+    text = httpx.get(f"{base_url}/metrics").text
+    for name in ("num_requests_running", "kv_cache_usage_perc", "prefix_cache_hits_total",
+                 "time_to_first_token_seconds_bucket", "generation_tokens_total", "router_decisions_total"):
+        assert f"prefixserve:{name}" in text
+
+
+def metric_values(base_url: str, name: str) -> dict[str, float]:
+    """replica -> value of prefixserve:<name>."""
+    text = httpx.get(f"{base_url}/metrics").text
+    return {m[1]: float(m[2]) for m in re.finditer(rf'^prefixserve:{name}{{replica="([^"]+)"}} (\S+)$', text, re.M)}
+
+
+def test_a_client_that_disconnects_frees_its_blocks(base_url):
+    with httpx.stream("POST", f"{base_url}/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": PREFIXES["astronomy"], "max_tokens": 200, "stream": True,
+            "ignore_eos": True}) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        replica_id = response.headers[REPLICA_HEADER]
+        assert metric_values(base_url, "kv_cache_usage_perc")[replica_id] > 0
+    deadline = time.monotonic() + 30
+    while metric_values(base_url, "num_requests_running")[replica_id] or \
+            metric_values(base_url, "kv_cache_usage_perc")[replica_id]:
+        assert time.monotonic() < deadline, "the aborted request still holds KV blocks"
+        time.sleep(0.5)
+
+
+def send_groups(client: openai.OpenAI) -> dict[str, list[tuple[str, int]]]:
+    """group -> (replica, cached tokens) of each of its requests, sent group by group."""
+    return {group: [(replica_id, completion.usage.prompt_tokens_details.cached_tokens)
+                    for replica_id, completion in (complete(client, f"{prefix}\nQuestion: {q}", max_tokens=2)
+                                                   for q in QUESTIONS)]
+            for group, prefix in PREFIXES.items()}
+
+
+def test_prefix_routing_keeps_each_group_on_the_replica_caching_its_prefix(client):
+    for group, served in send_groups(client).items():
+        replicas = {replica_id for replica_id, _ in served}
+        assert len(replicas) == 1, f"{group} spread over {replicas}"
+        assert all(cached >= 160 for _, cached in served[1:]), served
+
+
+def test_round_robin_spreads_each_group(base_url, tmp_path):
+    # Redeploy through the CLI, joining this cluster, then stop it as Ctrl-C would.
+    port = base_url.rsplit(":", 1)[1]
+    engine_flags = ["--num-kv-blocks", str(ENGINE["num_kv_blocks"]), "--max-model-len", str(MAX_MODEL_LEN),
+                    "--max-num-seqs", str(ENGINE["max_num_seqs"])]
+    log = tmp_path / "cli.log"
+    with log.open("w") as out:
+        cli = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--routing-policy", "round_robin",
+                                "--address", ray.get_runtime_context().gcs_address, "--port", port, *engine_flags],
+                               stdout=out, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for_line(cli, log, "prefixserve: serving on")
+        with openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120) as client:
+            groups = send_groups(client)
+        for group, served in groups.items():
+            assert len({replica_id for replica_id, _ in served}) == 2, f"{group}: {served}"
+        assert 'policy="round_robin"' in httpx.get(f"{base_url}/metrics").text
+    finally:
+        cli.send_signal(signal.SIGINT)
+        cli.wait(timeout=60)
+    assert cli.returncode == 0, log.read_text()
+    assert "prefixserve: shutting down" in log.read_text()
+
+
+def wait_for_line(process: subprocess.Popen, log, line: str) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while line not in log.read_text():
+        assert process.poll() is None, f"exited with {process.returncode}:\n{log.read_text()}"
+        assert time.monotonic() < deadline, f"no {line!r} after {STARTUP_TIMEOUT_S} s:\n{log.read_text()}"
+        time.sleep(0.5)
