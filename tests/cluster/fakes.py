@@ -1,26 +1,12 @@
 """Stand-ins for the engine, its client and the tokenizer, so the Serve glue is tested without a model."""
-from dataclasses import dataclass
-
 from cluster.engine_loop import EngineRequest
+from replica.engine import EngineOutput
 from replica.kv_cache import BlockStored, hash_token_blocks
 from replica.scheduler import SchedulerStats
 
 BLOCK_SIZE = 4
 HASH_SEED = 7
 VOCAB_SIZE = 256
-
-
-@dataclass
-class FakeEngineOutput:
-    """Has EngineOutput's fields."""
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    logprobs: list[float] | None = None
 
 
 class FakeTokenizer:
@@ -66,7 +52,7 @@ class FakeEngineCore:
         if new:
             self._events.append(BlockStored(new, None, [], BLOCK_SIZE))
 
-    def step(self) -> list[FakeEngineOutput]:
+    def step(self) -> list[EngineOutput]:
         self.num_steps += 1
         if self.fail_step:
             raise RuntimeError("the model crashed")
@@ -75,9 +61,9 @@ class FakeEngineCore:
             index = self.generated[request_id]
             self.generated[request_id] += 1
             finished = index + 1 == request.params.max_tokens
-            outputs.append(FakeEngineOutput(request_id, [100 + index], output_text(index), finished,
-                                            "length" if finished else None, len(request.prompt_token_ids),
-                                            BLOCK_SIZE))
+            outputs.append(EngineOutput(request_id, [100 + index], output_text(index), finished,
+                                        "length" if finished else None, len(request.prompt_token_ids),
+                                        BLOCK_SIZE, None))
             if finished:
                 del self.requests[request_id]
         return outputs
