@@ -10,8 +10,9 @@ import pydantic
 import torch
 
 from kernels import get_ops
-from replica.executor.checkpoint import build_model, load_checkpoint
+from replica.executor.checkpoint import Checkpoint, build_model, load_checkpoint
 from replica.executor.detokenizer import IncrementalDetokenizer
+from replica.executor.model import LlamaForCausalLM
 from replica.executor.model_runner import ModelRunner
 from replica.executor.paged_cache import allocate_kv_caches, block_bytes, num_blocks_for_budget
 from replica.kv_cache import BlockHash, KVCacheManager, KVEvent
@@ -90,14 +91,11 @@ class EngineCore:
         self.config = config = config or EngineConfig()
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
-        backend = config.backend if config.backend != "auto" else ("triton" if device.type == "cuda" else "torch")
         checkpoint = load_checkpoint(config.model)
         self.tokenizer = checkpoint.tokenizer
         self.model_config = checkpoint.config
         self.model_name = config.served_model_name or checkpoint.name
-        model = build_model(checkpoint, dtype=dtype, device=device, ops=get_ops(backend))
-        if config.compile:
-            model.compile_layers()
+        model = self._build_model(checkpoint, dtype, device)
 
         num_blocks = config.num_kv_blocks or num_blocks_for_budget(
             checkpoint.config, config.block_size, dtype, int(config.kv_cache_memory_gib * 2**30))
@@ -114,10 +112,21 @@ class EngineCore:
         kv_caches = allocate_kv_caches(checkpoint.config, num_blocks, config.block_size, dtype, device)
         self.runner = ModelRunner(model, kv_caches, config.block_size)
         self._requests: dict[str, _RequestRecord] = {}
-        logger.info("%s on %s (%s, %s kernels): KV cache %.3f GiB = %d blocks of %d tokens; max_model_len %d",
-                    self.model_name, device, str(dtype).removeprefix("torch."), backend,
-                    num_blocks * block_bytes(checkpoint.config, config.block_size, dtype) / 2**30,
-                    num_blocks, config.block_size, self.max_model_len)
+        logger.info("KV cache: %.3f GiB = %d blocks of %d tokens (budget %s); max_model_len %d",
+                    num_blocks * block_bytes(checkpoint.config, config.block_size, dtype) / 2**30, num_blocks,
+                    config.block_size, "num_kv_blocks" if config.num_kv_blocks else
+                    f"{config.kv_cache_memory_gib} GiB", self.max_model_len)
+
+    def _build_model(self, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+        backend = self.config.backend
+        if backend == "auto":
+            backend = "triton" if device.type == "cuda" else "torch"
+        model = build_model(checkpoint, dtype=dtype, device=device, ops=get_ops(backend))
+        if self.config.compile:
+            model.compile_layers()
+        logger.info("%s on %s: %s, %s kernels%s", self.model_name, device, str(dtype).removeprefix("torch."),
+                    backend, ", compiled layers" if self.config.compile else "")
+        return model
 
     def _max_model_len(self, num_blocks: int) -> int:
         context_len = self.model_config.max_position

@@ -13,8 +13,8 @@ pytestmark = pytest.mark.slow
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):\n    ",
-    "Once upon a time, in a small village by the sea, there lived an old fisherman who every "
-    "morning walked down to the harbour, mended his nets and told the children stories about",
+    ("Once upon a time, in a small village by the sea, there lived an old fisherman who every "
+     "morning walked down to the harbour, mended his nets and told the children stories about"),
     "List three primary colors:",
 ]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

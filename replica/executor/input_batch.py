@@ -1,4 +1,5 @@
 """Flattening one step's scheduled requests into model inputs: token ids, positions, paged-attention metadata."""
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,7 +69,7 @@ def prepare_inputs(states: list[RequestState], num_scheduled: list[int], block_s
         input_ids=to_device(input_ids, torch.int64),
         positions=to_device(positions, torch.int64),
         attention=AttentionMetadata(slot_mapping=to_device(slot_mapping, torch.int64),
-                                    groups=[group(first, end) for first, end in zip(bounds, bounds[1:])]),
+                                    groups=[group(first, end) for first, end in itertools.pairwise(bounds)]),
         sample_rows=sample_rows,
         logits_indices=to_device(query_start_loc[1:][sample_rows] - 1, torch.int64),
     )

@@ -5,8 +5,9 @@ from replica.executor.checkpoint import load_checkpoint
 from replica.executor.config import ModelConfig
 from replica.executor.gguf_loader import _unpermute_rows
 
-HF_CONFIG = dict(model_type="llama", vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=500000.0)
+HF_CONFIG = {"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
+             "rope_theta": 500000.0}
 
 
 def llama_cpp_permute(weights: np.ndarray, num_heads: int) -> np.ndarray:
