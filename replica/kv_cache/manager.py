@@ -1,4 +1,6 @@
 """KVCacheManager: the paged KV cache in terms of requests (the scheduler never touches blocks)."""
+from collections.abc import Sequence
+
 from replica.kv_cache.block import KVCacheBlock, KVCacheBlocks
 from replica.kv_cache.block_pool import BlockPool
 from replica.kv_cache.events import KVEvent
@@ -62,7 +64,7 @@ class KVCacheManager:
         """Slots for num_new_tokens more tokens; None, with nothing changed, when the pool is short."""
         if num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens must be positive, got {num_new_tokens}")
-        computed_blocks = new_computed_blocks.blocks if new_computed_blocks is not None else []
+        computed_blocks = new_computed_blocks.blocks if new_computed_blocks is not None else ()
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
         num_tokens_need_slot = min(num_computed_tokens + num_new_tokens + num_lookahead_tokens,
                                    self.max_model_len)
@@ -101,7 +103,7 @@ class KVCacheManager:
     def cached_block_hashes(self) -> list[BlockHash]:
         return list(self.block_pool.cached_block_hash_to_block)
 
-    def _can_allocate(self, request: Request, computed_blocks: list[KVCacheBlock],
+    def _can_allocate(self, request: Request, computed_blocks: Sequence[KVCacheBlock],
                       num_blocks_to_allocate: int, full_sequence_must_fit: bool) -> bool:
         # Touching a hit with ref_cnt 0 takes it out of the free queue, so it costs a free block.
         num_evictable_hits = sum(1 for block in computed_blocks if block.ref_cnt == 0)
@@ -114,7 +116,7 @@ class KVCacheManager:
         required = num_blocks_to_allocate + num_evictable_hits + watermark
         return required <= self.block_pool.get_num_free_blocks()
 
-    def _attach_blocks(self, request: Request, computed_blocks: list[KVCacheBlock],
+    def _attach_blocks(self, request: Request, computed_blocks: Sequence[KVCacheBlock],
                        num_blocks_to_allocate: int) -> KVCacheBlocks:
         req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
         self.block_pool.touch(computed_blocks)
