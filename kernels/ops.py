@@ -1,11 +1,14 @@
-"""The four kernels the model calls, from one backend: Triton (GPU) or pure torch (CPU)."""
+"""The kernels the model calls, from one backend: Triton (GPU), C++ (CPU) or pure torch (anywhere)."""
 from dataclasses import dataclass
 from typing import Callable, Literal
 
+from kernels.activation import silu_and_mul_ref
 from kernels.attention import paged_attention_ref
 from kernels.cache_write import write_kv_cache_ref
 from kernels.rms_norm import rms_norm_ref
 from kernels.rotary import apply_rotary_ref
+
+Backend = Literal["triton", "cpu", "torch"]
 
 
 @dataclass(frozen=True)
@@ -14,16 +17,25 @@ class KernelOps:
     paged_attention: Callable
     rms_norm: Callable
     apply_rotary: Callable
+    silu_and_mul: Callable
 
 
-def get_ops(backend: Literal["triton", "torch"]) -> KernelOps:
-    """The kernels of one backend; "triton" imports triton (and so needs it installed)."""
+def get_ops(backend: Backend) -> KernelOps:
+    """The kernels of one backend; "triton" imports triton, "cpu" builds its library on first call."""
     if backend == "torch":
-        return KernelOps(write_kv_cache_ref, paged_attention_ref, rms_norm_ref, apply_rotary_ref)
+        return KernelOps(write_kv_cache_ref, paged_attention_ref, rms_norm_ref, apply_rotary_ref, silu_and_mul_ref)
     if backend == "triton":
+        from kernels.triton.activation import silu_and_mul
         from kernels.triton.attention import paged_attention
         from kernels.triton.cache_write import write_kv_cache
         from kernels.triton.rms_norm import rms_norm
         from kernels.triton.rotary import apply_rotary
-        return KernelOps(write_kv_cache, paged_attention, rms_norm, apply_rotary)
-    raise ValueError(f"unknown kernel backend {backend!r}; expected 'triton' or 'torch'")
+        return KernelOps(write_kv_cache, paged_attention, rms_norm, apply_rotary, silu_and_mul)
+    if backend == "cpu":
+        from kernels.cpu.activation import silu_and_mul
+        from kernels.cpu.attention import paged_attention
+        from kernels.cpu.cache_write import write_kv_cache
+        from kernels.cpu.rms_norm import rms_norm
+        from kernels.cpu.rotary import apply_rotary
+        return KernelOps(write_kv_cache, paged_attention, rms_norm, apply_rotary, silu_and_mul)
+    raise ValueError(f"unknown kernel backend {backend!r}; expected 'triton', 'cpu' or 'torch'")

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention import num_queries_per_kv
-from kernels.triton.layout import check_last_dim_contiguous
+from kernels.layout import check_last_dim_contiguous
 
 DECODE_BLOCK_M = 16     # the smallest tensor-core tile (rows past the group are padding)
 PREFILL_BLOCK_M = 64

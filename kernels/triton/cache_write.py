@@ -3,7 +3,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.layout import check_last_dim_contiguous
+from kernels.layout import check_last_dim_contiguous
 
 
 @triton.jit

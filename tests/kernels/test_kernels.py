@@ -1,19 +1,15 @@
-"""Each Triton kernel against its torch reference at small shapes.
+"""Each Triton and CPU (C++) kernel against its torch reference at small shapes.
 
-Without a GPU these run in the Triton interpreter on CPU tensors (conftest.py), which is slow:
-keep shapes small. Tolerances: fp32 2e-6 (same math, different summation order); fp16/bf16 one
-or two units in the last place of the output's magnitude.
+Without a GPU the Triton kernels run in the Triton interpreter on CPU tensors (conftest.py), which
+is slow: keep shapes small. Tolerances: fp32 2e-6 (same math, different summation order);
+fp16/bf16 one or two units in the last place of the output's magnitude.
 """
 import pytest
 import torch
 
-pytest.importorskip("triton")
-
-from kernels import KernelOps, get_ops, rotary_cos_sin  # noqa: E402
-from tests.kernels.paged_batch import make_paged_batch  # noqa: E402
-
-triton_ops = get_ops("triton")
-torch_ops = get_ops("torch")
+from kernels import KernelOps, get_ops, rotary_cos_sin
+from kernels.cpu import library as cpu_library
+from tests.kernels.paged_batch import make_paged_batch
 
 ATTENTION_CASES = {
     # name: (query_lens, context_lens, num_heads, num_kv_heads, block_size)
@@ -25,55 +21,75 @@ ATTENTION_CASES = {
     "one_kv_head_group5": ([4, 1], [36, 20], 5, 1, 16),
 }
 TOLERANCE = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+torch_ops = get_ops("torch")
+
+
+@pytest.fixture(params=["triton", "cpu"])
+def backend(request) -> str:
+    if request.param == "triton":
+        pytest.importorskip("triton")
+    elif not cpu_library.available():
+        pytest.skip("no C++ compiler to build the CPU kernels")
+    return request.param
+
+
+@pytest.fixture
+def ops(backend) -> KernelOps:
+    return get_ops(backend)
+
+
+@pytest.fixture
+def device(backend) -> str:
+    return "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
 
 
 @pytest.mark.parametrize("case", ATTENTION_CASES)
-def test_paged_attention_matches_reference_fp32(case, device):
+def test_paged_attention_matches_reference_fp32(case, ops, device):
     query_lens, context_lens, num_heads, num_kv_heads, block_size = ATTENTION_CASES[case]
     batch = make_paged_batch(query_lens, context_lens, num_heads, num_kv_heads,
-                             block_size=block_size, device=device)
-    torch.testing.assert_close(triton_ops.paged_attention(*batch.args()),
+                             block_size=block_size, head_dim=32, device=device)
+    torch.testing.assert_close(ops.paged_attention(*batch.args()),
                                torch_ops.paged_attention(*batch.args()), atol=2e-6, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_paged_attention_16bit_matches_float64(dtype, device):
+def test_paged_attention_16bit_matches_float64(dtype, ops, device):
     batch = make_paged_batch([5, 1, 20], [18, 30, 20], 6, 2, block_size=16, head_dim=32,
                              dtype=dtype, device=device)
-    out = triton_ops.paged_attention(*batch.args())
+    out = ops.paged_attention(*batch.args())
     assert out.dtype == dtype
     torch.testing.assert_close(out.double(), batch.dense_attention(), atol=TOLERANCE[dtype], rtol=0)
 
 
-def test_paged_attention_reads_query_through_strides(device):
-    batch = make_paged_batch([6, 1], [6, 21], 4, 2, device=device)
+def test_paged_attention_reads_query_through_strides(ops, device):
+    batch = make_paged_batch([6, 1], [6, 21], 4, 2, head_dim=32, device=device)
     # the query as the model produces it: a view into a fused [T, (Hq + 2 Hkv) * D] projection
-    fused = torch.randn(7, 8 * 16, device=device)
-    fused[:, :4 * 16] = batch.query.flatten(1)
-    batch.query = fused[:, :4 * 16].view(7, 4, 16)
-    torch.testing.assert_close(triton_ops.paged_attention(*batch.args()),
+    fused = torch.randn(7, 8 * 32, device=device)
+    fused[:, :4 * 32] = batch.query.flatten(1)
+    batch.query = fused[:, :4 * 32].view(7, 4, 32)
+    torch.testing.assert_close(ops.paged_attention(*batch.args()),
                                torch_ops.paged_attention(*batch.args()), atol=2e-6, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_write_kv_cache_matches_reference(dtype, device):
+def test_write_kv_cache_matches_reference(dtype, ops, device):
     key = torch.randn(7, 3, 24, device=device).to(dtype)
     value = torch.randn(7, 3, 24, device=device).to(dtype)
     slot_mapping = torch.tensor([5, -1, 40, 63, 0, 17, -1], device=device)
     caches = [torch.randn(4, 16, 3, 24, device=device).to(dtype) for _ in range(2)]
     expected = [cache.clone() for cache in caches]
-    triton_ops.write_kv_cache(key, value, *caches, slot_mapping)
+    ops.write_kv_cache(key, value, *caches, slot_mapping)
     torch_ops.write_kv_cache(key, value, *expected, slot_mapping)
     assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_rms_norm_matches_reference(dtype, with_residual, device):
+def test_rms_norm_matches_reference(dtype, with_residual, ops, device):
     x = torch.randn(5, 96, device=device).to(dtype)
     weight = torch.randn(96, device=device).to(dtype)
     residual = torch.randn(5, 96, device=device).to(dtype) if with_residual else None
-    out = triton_ops.rms_norm(x, weight, 1e-5, residual)
+    out = ops.rms_norm(x, weight, 1e-5, residual)
     expected = torch_ops.rms_norm(x, weight, 1e-5, residual)
     atol = TOLERANCE[dtype] * 4        # |out| reaches ~4 here
     if with_residual:
@@ -84,22 +100,39 @@ def test_rms_norm_matches_reference(dtype, with_residual, device):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_apply_rotary_matches_reference(dtype, device):
+def test_apply_rotary_matches_reference(dtype, ops, device):
     # query and key as views into a fused projection, as the model produces them
     fused = torch.randn(6, (6 + 2 * 2) * 32, device=device).to(dtype)
     query = fused[:, :6 * 32].view(6, 6, 32)
     key = fused[:, 6 * 32:8 * 32].view(6, 2, 32)
     positions = torch.tensor([0, 3, 4, 5, 99, 17], device=device)
-    cache = rotary_cos_sin(32, 100, 10000.0, dtype, device)
-    out = triton_ops.apply_rotary(query, key, positions, cache)
+    cache = rotary_cos_sin(32, 100, 10000.0, torch.float32, device)
+    out = ops.apply_rotary(query, key, positions, cache)
     expected = torch_ops.apply_rotary(query, key, positions, cache)
     for got, want in zip(out, expected):
         torch.testing.assert_close(got, want, atol=TOLERANCE[dtype], rtol=0)
 
 
-def test_triton_ops_are_exported_where_the_references_are():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("size", [48, 37])  # 37: a tail shorter than one vector
+def test_silu_and_mul_matches_reference(dtype, size, ops, device):
+    # a view with a row stride wider than 2 * size, as a slice of a wider projection would be
+    gate_up = (torch.randn(5, 2 * size + 6, device=device) * 4).to(dtype)[:, :2 * size]
+    out = ops.silu_and_mul(gate_up)
+    assert out.shape == (5, size)
+    torch.testing.assert_close(out, torch_ops.silu_and_mul(gate_up), atol=TOLERANCE[dtype] * 8, rtol=0)
+
+
+def test_silu_and_mul_rejects_an_odd_width(ops, device):
+    with pytest.raises(ValueError, match="even last dimension"):
+        ops.silu_and_mul(torch.randn(2, 7, device=device))
+
+
+def test_ops_are_exported_by_name():
+    from kernels.activation import silu_and_mul
     from kernels.attention import paged_attention
     from kernels.cache_write import write_kv_cache
     from kernels.rms_norm import rms_norm
     from kernels.rotary import apply_rotary
-    assert triton_ops == KernelOps(write_kv_cache, paged_attention, rms_norm, apply_rotary)
+    pytest.importorskip("triton")
+    assert get_ops("triton") == KernelOps(write_kv_cache, paged_attention, rms_norm, apply_rotary, silu_and_mul)

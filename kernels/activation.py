@@ -1,0 +1,21 @@
+"""SwiGLU's activation over the fused [gate | up] projection: silu(gate) * up.
+
+The Triton version, silu_and_mul, lives in kernels/triton/activation.py and is imported on first
+access.
+"""
+import torch
+import torch.nn.functional as F
+
+
+def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2I] -> silu(gate_up[:, :I]) * gate_up[:, I:], [T, I]; silu's output is rounded to
+    the input dtype before the product, as two torch ops round it."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def __getattr__(name: str):
+    if name == "silu_and_mul":
+        from kernels.triton.activation import silu_and_mul
+        return silu_and_mul
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,18 @@
+"""CPU: silu(gate) * up over the fused [gate | up] projection (csrc/activation.cpp)."""
+import torch
+
+from kernels.cpu.library import dtype_code, load
+from kernels.layout import check_last_dim_contiguous, check_on_cpu
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2I] -> silu(gate_up[:, :I]) * gate_up[:, I:], [T, I]."""
+    check_on_cpu(gate_up=gate_up)
+    check_last_dim_contiguous(gate_up=gate_up)
+    if gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up must have an even last dimension, got shape {tuple(gate_up.shape)}")
+    num_tokens, size = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(num_tokens, size, dtype=gate_up.dtype)
+    load().prefixserve_silu_and_mul(dtype_code(gate_up), out.data_ptr(), gate_up.data_ptr(), num_tokens, size,
+                                    gate_up.stride(0))
+    return out

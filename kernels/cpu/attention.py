@@ -1,0 +1,30 @@
+"""CPU: paged attention for a mixed batch of prefill chunks and decodes (csrc/attention.cpp)."""
+import torch
+
+from kernels.attention import num_queries_per_kv
+from kernels.cpu.library import HEAD_DIMS, dtype_code, load
+from kernels.layout import check_last_dim_contiguous, check_on_cpu
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                    seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """query [T, Hq, D], caches [num_blocks, block_size, Hkv, D] -> out [T, Hq, D]."""
+    check_on_cpu(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables)
+    check_last_dim_contiguous(query=query, key_cache=key_cache, value_cache=value_cache)
+    if key_cache.stride() != value_cache.stride():
+        raise ValueError("key_cache and value_cache must have the same layout")
+    num_queries_per_kv(query, key_cache)
+    head_dim = query.shape[2]
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"the CPU attention kernel takes head_dim in {HEAD_DIMS}, got {head_dim}")
+    block_tables, query_start_loc, seq_lens = (
+        tensor.to(torch.int32).contiguous() for tensor in (block_tables, query_start_loc, seq_lens))
+    out = torch.empty(query.shape, dtype=query.dtype)
+    load().prefixserve_paged_attention(
+        dtype_code(query, key_cache, value_cache), out.data_ptr(), query.data_ptr(), key_cache.data_ptr(),
+        value_cache.data_ptr(), block_tables.data_ptr(), query_start_loc.data_ptr(), seq_lens.data_ptr(),
+        seq_lens.shape[0], query.shape[1], key_cache.shape[2], head_dim, key_cache.shape[1],
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0), scale)
+    return out

@@ -1,0 +1,23 @@
+"""CPU: scatter new tokens' K/V into the paged cache (csrc/cache_write.cpp)."""
+import torch
+
+from kernels.cpu.library import dtype_code, load
+from kernels.layout import check_last_dim_contiguous, check_on_cpu
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                   value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """key/value [T, Hkv, D] -> key_cache/value_cache [num_blocks, block_size, Hkv, D], in place."""
+    check_on_cpu(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping)
+    check_last_dim_contiguous(key=key, value=value, key_cache=key_cache, value_cache=value_cache)
+    if key_cache.stride() != value_cache.stride():
+        raise ValueError("key_cache and value_cache must have the same layout")
+    dtype_code(key, value, key_cache, value_cache)
+    slot_mapping = slot_mapping.to(torch.int64).contiguous()
+    num_tokens, num_kv_heads, head_dim = key.shape
+    size = key.element_size()
+    load().prefixserve_write_kv_cache(
+        key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), slot_mapping.data_ptr(),
+        num_tokens, num_kv_heads, head_dim * size, key_cache.shape[1],
+        *(stride * size for stride in (key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+                                       key_cache.stride(0), key_cache.stride(1), key_cache.stride(2))))

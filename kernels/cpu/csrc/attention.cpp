@@ -1,0 +1,196 @@
+// Paged attention over block tables for a mixed batch of prefill chunks and decodes, with the
+// semantics of kernels.attention.paged_attention_ref.
+//
+// A work item is one KV head of one tile of a request's query tokens. Its rows are those tokens
+// times the query heads sharing that KV head, so each K/V position is read and converted once for
+// the whole group. It walks the context through the block table in chunks of 16 positions: per
+// row, 16 dot products become one vector of scores, then an online-softmax update (fp32, base 2).
+#include <algorithm>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "vec.h"
+
+namespace prefixserve {
+namespace {
+
+constexpr int64_t kRowsPerTile = 32;  // query rows per work item (at least one token's group)
+constexpr float kInfinity = std::numeric_limits<float>::infinity();
+
+struct AttentionArgs {
+  void* out;
+  const void* query;
+  const void* key_cache;
+  const void* value_cache;
+  const int32_t* block_tables;
+  const int32_t* query_start_loc;
+  const int32_t* seq_lens;
+  int64_t num_reqs, num_heads, num_kv_heads, block_size;
+  int64_t stride_query_token, stride_query_head, stride_out_token, stride_out_head;
+  int64_t stride_cache_block, stride_cache_slot, stride_cache_head, stride_block_table;
+  float scale;
+};
+
+template <typename T, int kVecs>  // head_dim = kVecs * 16
+class PagedAttention {
+ public:
+  explicit PagedAttention(const AttentionArgs& args)
+      : a_(args), group_(args.num_heads / args.num_kv_heads),
+        tokens_per_tile_(std::max<int64_t>(1, kRowsPerTile / group_)) {}
+
+  void run() const {
+    std::vector<int64_t> first_tile(a_.num_reqs + 1, 0);  // request r owns tiles [first_tile[r], first_tile[r+1])
+    for (int64_t r = 0; r < a_.num_reqs; ++r) {
+      const int64_t query_len = a_.query_start_loc[r + 1] - a_.query_start_loc[r];
+      first_tile[r + 1] = first_tile[r] + (query_len + tokens_per_tile_ - 1) / tokens_per_tile_;
+    }
+    const int64_t num_items = first_tile[a_.num_reqs] * a_.num_kv_heads;
+#pragma omp parallel
+    {
+      std::vector<Row> rows(tokens_per_tile_ * group_);
+      auto chunk = std::make_unique<Chunk>();
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t item = 0; item < num_items; ++item) {
+        const int64_t tile = item / a_.num_kv_heads;
+        const int64_t req = std::upper_bound(first_tile.begin(), first_tile.end(), tile) - first_tile.begin() - 1;
+        attend_tile(req, item % a_.num_kv_heads, tile - first_tile[req], rows, *chunk);
+      }
+    }
+  }
+
+ private:
+  struct Row {
+    vfloat query[kVecs];  // pre-scaled by scale * log2(e)
+    vfloat acc[kVecs];
+    float max_score, denominator;
+  };
+  struct Chunk {  // up to 16 context positions of one KV head, in fp32
+    vfloat keys[kLanes][kVecs];
+    vfloat values[kLanes][kVecs];
+  };
+
+  void attend_tile(int64_t req, int64_t kv_head, int64_t tile, std::vector<Row>& rows, Chunk& chunk) const {
+    const int64_t query_start = a_.query_start_loc[req];
+    const int64_t query_len = a_.query_start_loc[req + 1] - query_start;
+    const int64_t first_token = tile * tokens_per_tile_;
+    const int64_t num_tokens = std::min(tokens_per_tile_, query_len - first_token);
+    const int64_t first_position = a_.seq_lens[req] - query_len + first_token;
+    const int64_t num_rows = num_tokens * group_;
+    for (int64_t row = 0; row < num_rows; ++row) load_row(query_start + first_token, kv_head, row, rows[row]);
+
+    const int64_t context_end = first_position + num_tokens;  // the last row sees up to here
+    for (int64_t chunk_start = 0; chunk_start < context_end; chunk_start += kLanes) {
+      const int64_t chunk_len = std::min<int64_t>(kLanes, context_end - chunk_start);
+      load_chunk(req, kv_head, chunk_start, chunk_len, chunk);
+      for (int64_t row = 0; row < num_rows; ++row) {
+        const int64_t position = first_position + row / group_;
+        if (position >= chunk_start) attend_chunk(std::min(chunk_len, position - chunk_start + 1), chunk, rows[row]);
+      }
+    }
+    for (int64_t row = 0; row < num_rows; ++row) store_row(query_start + first_token, kv_head, row, rows[row]);
+  }
+
+  const T* query_head(int64_t token, int64_t kv_head, int64_t row) const {
+    return static_cast<const T*>(a_.query) + (token + row / group_) * a_.stride_query_token +
+           (kv_head * group_ + row % group_) * a_.stride_query_head;
+  }
+
+  void load_row(int64_t token, int64_t kv_head, int64_t row, Row& out) const {
+    const T* src = query_head(token, kv_head, row);
+    for (int v = 0; v < kVecs; ++v) {
+      out.query[v] = load16(src + v * kLanes) * (a_.scale * kLog2e);
+      out.acc[v] = vfloat{};
+    }
+    out.max_score = -kInfinity;
+    out.denominator = 0.0f;
+  }
+
+  void load_chunk(int64_t req, int64_t kv_head, int64_t chunk_start, int64_t chunk_len, Chunk& out) const {
+    const int32_t* block_table = a_.block_tables + req * a_.stride_block_table;
+    for (int64_t c = 0; c < kLanes; ++c) {
+      if (c >= chunk_len) {  // past the context: zeros, never a read through the block table
+        std::fill_n(out.keys[c], kVecs, vfloat{});
+        std::fill_n(out.values[c], kVecs, vfloat{});
+        continue;
+      }
+      const int64_t position = chunk_start + c;
+      const int64_t offset = block_table[position / a_.block_size] * a_.stride_cache_block +
+                             (position % a_.block_size) * a_.stride_cache_slot + kv_head * a_.stride_cache_head;
+      const T* key = static_cast<const T*>(a_.key_cache) + offset;
+      const T* value = static_cast<const T*>(a_.value_cache) + offset;
+      for (int v = 0; v < kVecs; ++v) {
+        out.keys[c][v] = load16(key + v * kLanes);
+        out.values[c][v] = load16(value + v * kLanes);
+      }
+    }
+  }
+
+  // One row against the first `visible` positions of the chunk: the online-softmax update.
+  static void attend_chunk(int64_t visible, const Chunk& chunk, Row& row) {
+    vfloat partial[kLanes];
+    for (int c = 0; c < kLanes; ++c) {
+      partial[c] = row.query[0] * chunk.keys[c][0];
+      for (int v = 1; v < kVecs; ++v) partial[c] += row.query[v] * chunk.keys[c][v];
+    }
+    const vint lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const vfloat scores = lane < static_cast<int32_t>(visible) ? sum_lanes_of_each(partial) : broadcast(-kInfinity);
+    const float new_max = std::max(row.max_score, reduce_max(scores));
+    const vfloat weights = exp2_approx(scores - new_max);
+    const float rescale = exp2_approx(broadcast(row.max_score - new_max))[0];
+    row.max_score = new_max;
+    row.denominator = row.denominator * rescale + reduce_sum(weights);
+    vfloat acc[kVecs];
+    for (int v = 0; v < kVecs; ++v) acc[v] = row.acc[v] * rescale;
+    for (int64_t c = 0; c < visible; ++c) {
+      for (int v = 0; v < kVecs; ++v) acc[v] += weights[c] * chunk.values[c][v];
+    }
+    std::copy_n(acc, kVecs, row.acc);
+  }
+
+  void store_row(int64_t token, int64_t kv_head, int64_t row, const Row& in) const {
+    T* dst = static_cast<T*>(a_.out) + (token + row / group_) * a_.stride_out_token +
+             (kv_head * group_ + row % group_) * a_.stride_out_head;
+    const float inverse = 1.0f / in.denominator;
+    for (int v = 0; v < kVecs; ++v) store16(dst + v * kLanes, in.acc[v] * inverse);
+  }
+
+  const AttentionArgs& a_;
+  const int64_t group_;
+  const int64_t tokens_per_tile_;
+};
+
+template <typename T>
+bool run_attention(const AttentionArgs& args, int64_t head_dim) {
+  switch (head_dim) {
+    case 16: PagedAttention<T, 1>(args).run(); return true;
+    case 32: PagedAttention<T, 2>(args).run(); return true;
+    case 64: PagedAttention<T, 4>(args).run(); return true;
+    case 80: PagedAttention<T, 5>(args).run(); return true;
+    case 96: PagedAttention<T, 6>(args).run(); return true;
+    case 128: PagedAttention<T, 8>(args).run(); return true;
+    case 256: PagedAttention<T, 16>(args).run(); return true;
+    default: return false;
+  }
+}
+
+}  // namespace
+}  // namespace prefixserve
+
+// Returns 0, or -1 if head_dim is not one of the dims instantiated above.
+extern "C" int prefixserve_paged_attention(
+    int64_t dtype, void* out, const void* query, const void* key_cache, const void* value_cache,
+    const int32_t* block_tables, const int32_t* query_start_loc, const int32_t* seq_lens,
+    int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+    int64_t stride_query_token, int64_t stride_query_head, int64_t stride_out_token, int64_t stride_out_head,
+    int64_t stride_cache_block, int64_t stride_cache_slot, int64_t stride_cache_head,
+    int64_t stride_block_table, float scale) {
+  using namespace prefixserve;
+  const AttentionArgs args{out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
+                           num_reqs, num_heads, num_kv_heads, block_size,
+                           stride_query_token, stride_query_head, stride_out_token, stride_out_head,
+                           stride_cache_block, stride_cache_slot, stride_cache_head, stride_block_table, scale};
+  bool supported = false;
+  dispatch(dtype, [&](auto element) { supported = run_attention<decltype(element)>(args, head_dim); });
+  return supported ? 0 : -1;
+}

@@ -1,0 +1,111 @@
+"""Builds the CPU kernels (csrc/*.cpp) into a shared library on first use and loads it with ctypes.
+
+The library is compiled for this machine's CPU (-march=native) and cached under
+$PREFIXSERVE_CACHE_DIR (default ~/.cache/prefixserve/kernels), keyed by the sources, the compiler,
+its flags and the CPU, so a second process (or a Ray replica) loads it in milliseconds. It links
+the OpenMP runtime that torch has already loaded, so it shares torch's threads and their count.
+"""
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+SOURCE_DIR = Path(__file__).parent / "csrc"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC"]
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # csrc/common.h DType
+HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # the head dims csrc/attention.cpp instantiates
+
+_INT, _PTR, _FLOAT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+_SIGNATURES = {  # name -> (restype, argtypes)
+    "prefixserve_paged_attention": (ctypes.c_int, [_INT, *[_PTR] * 7, *[_INT] * 13, _FLOAT]),
+    "prefixserve_write_kv_cache": (None, [*[_PTR] * 5, *[_INT] * 11]),
+    "prefixserve_rms_norm": (None, [_INT, *[_PTR] * 5, *[_INT] * 4, _FLOAT]),
+    "prefixserve_apply_rotary": (None, [_INT, *[_PTR] * 6, *[_INT] * 8]),
+    "prefixserve_silu_and_mul": (None, [_INT, _PTR, _PTR, *[_INT] * 3]),
+}
+
+
+class BuildError(RuntimeError):
+    """The CPU kernels cannot be built here (no C++ compiler, or it failed)."""
+
+
+@functools.cache
+def load() -> ctypes.CDLL:
+    """The kernel library, built first if this machine has no up-to-date copy; BuildError if it cannot be."""
+    candidates = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "c++"]
+    compiler = next(filter(None, map(shutil.which, candidates)), None)
+    if compiler is None:
+        raise BuildError(f"no C++ compiler found (tried {', '.join(candidates)}; set CXX, or install g++)")
+    sources = sorted(SOURCE_DIR.glob("*.cpp"))
+    path = _cache_dir() / f"libprefixserve_cpu-{_build_key(compiler, sources)}.so"
+    if not path.exists():
+        _build(compiler, sources, path)
+    lib = ctypes.CDLL(str(path))
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        function = getattr(lib, name)
+        function.restype, function.argtypes = restype, argtypes
+    return lib
+
+
+def available() -> bool:
+    try:
+        load()
+    except BuildError:
+        return False
+    return True
+
+
+def dtype_code(*tensors: torch.Tensor) -> int:
+    """The element type all tensors share, as the kernels name it; ValueError otherwise."""
+    dtypes = {tensor.dtype for tensor in tensors}
+    if len(dtypes) != 1 or (dtype := dtypes.pop()) not in DTYPE_CODES:
+        raise ValueError(f"the CPU kernels take one dtype of {sorted(map(str, DTYPE_CODES))}, got "
+                         f"{sorted(str(tensor.dtype) for tensor in tensors)}")
+    return DTYPE_CODES[dtype]
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("PREFIXSERVE_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"),
+                                                           "prefixserve")
+    directory = Path(root) / "kernels"
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
+def _build_key(compiler: str, sources: list[Path]) -> str:
+    digest = hashlib.sha256()
+    for path in [*sources, *sorted(SOURCE_DIR.glob("*.h"))]:
+        digest.update(path.name.encode() + path.read_bytes())
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    digest.update(" ".join([compiler, version, *FLAGS, platform.machine(), _cpu_flags()]).encode())
+    return digest.hexdigest()[:16]
+
+
+def _cpu_flags() -> str:
+    """What -march=native depends on: a library built for one CPU may not run on another."""
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    return next((line for line in cpuinfo.splitlines() if line.startswith(("flags", "Features"))), "")
+
+
+def _build(compiler: str, sources: list[Path], path: Path) -> None:
+    # build beside the target and rename: concurrent builders each finish with a whole library
+    logger.info("building the CPU kernels for this machine into %s", path)
+    with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
+        output = Path(scratch) / path.name
+        result = subprocess.run([compiler, *FLAGS, *map(str, sources), "-o", str(output)],
+                                capture_output=True, text=True)
+        if result.returncode:
+            raise BuildError(f"building the CPU kernels failed:\n{result.stderr[-4000:]}")
+        os.replace(output, path)

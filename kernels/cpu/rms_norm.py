@@ -1,0 +1,26 @@
+"""CPU: RMSNorm with an optional fused residual add (csrc/rms_norm.cpp)."""
+import torch
+
+from kernels.cpu.library import dtype_code, load
+from kernels.layout import check_last_dim_contiguous, check_on_cpu
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H], weight [H] -> out; with residual: (norm(x + residual), x + residual)."""
+    inputs = {"x": x, "weight": weight} | ({} if residual is None else {"residual": residual})
+    check_on_cpu(**inputs)
+    check_last_dim_contiguous(**inputs)
+    code = dtype_code(*inputs.values())
+    if weight.shape != x.shape[1:] or (residual is not None and residual.shape != x.shape):
+        raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)} and residual "
+                         f"{None if residual is None else tuple(residual.shape)} do not match")
+    num_tokens, hidden_size = x.shape
+    out = torch.empty(x.shape, dtype=x.dtype)
+    new_residual = None if residual is None else torch.empty(x.shape, dtype=x.dtype)
+    load().prefixserve_rms_norm(
+        code, out.data_ptr(), None if residual is None else new_residual.data_ptr(), x.data_ptr(),
+        None if residual is None else residual.data_ptr(), weight.data_ptr(), num_tokens, hidden_size,
+        x.stride(0), 0 if residual is None else residual.stride(0), eps)
+    return out if residual is None else (out, new_residual)

@@ -1,0 +1,22 @@
+"""CPU: rotate-half rotary embedding of query and key (csrc/rotary.cpp)."""
+import torch
+
+from kernels.cpu.library import dtype_code, load
+from kernels.layout import check_last_dim_contiguous, check_on_cpu
+
+
+def apply_rotary(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor,
+                 cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """query [T, Hq, D], key [T, Hkv, D], positions [T] -> new rotated (query, key), fp32 math."""
+    check_on_cpu(query=query, key=key, positions=positions, cos_sin_cache=cos_sin_cache)
+    check_last_dim_contiguous(query=query, key=key)
+    num_tokens, num_heads, head_dim = query.shape
+    positions = positions.to(torch.int64).contiguous()
+    cos_sin_cache = cos_sin_cache.to(torch.float32).contiguous()
+    query_out = torch.empty(query.shape, dtype=query.dtype)
+    key_out = torch.empty(key.shape, dtype=key.dtype)
+    load().prefixserve_apply_rotary(
+        dtype_code(query, key), query_out.data_ptr(), key_out.data_ptr(), query.data_ptr(), key.data_ptr(),
+        positions.data_ptr(), cos_sin_cache.data_ptr(), num_tokens, num_heads, key.shape[1], head_dim,
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1))
+    return query_out, key_out

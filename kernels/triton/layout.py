@@ -1,9 +1,0 @@
-"""Layout checks shared by the Triton launchers: kernels index the last dimension densely."""
-import torch
-
-
-def check_last_dim_contiguous(**tensors: torch.Tensor) -> None:
-    for name, tensor in tensors.items():
-        if tensor.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last dimension, "
-                             f"got strides {tensor.stride()}")

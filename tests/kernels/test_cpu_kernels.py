@@ -1,0 +1,82 @@
+"""What only the CPU (C++) kernels do: bf16 and every head dim they take, their input checks, and
+the library cache. Their agreement with the references on small shapes is in test_kernels.py."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kernels import get_ops
+from kernels.cpu import library
+from tests.kernels.paged_batch import make_paged_batch
+
+pytestmark = pytest.mark.skipif(not library.available(), reason="no C++ compiler to build the CPU kernels")
+cpu_ops = get_ops("cpu")
+torch_ops = get_ops("torch")
+
+
+@pytest.mark.parametrize("head_dim", library.HEAD_DIMS)
+def test_paged_attention_every_head_dim_matches_float64(head_dim):
+    batch = make_paged_batch([1, 9, 1], [40, 30, 17], 6, 2, head_dim=head_dim, seed=head_dim)
+    torch.testing.assert_close(cpu_ops.paged_attention(*batch.args()).double(), batch.dense_attention(),
+                               atol=2e-6, rtol=0)
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+def test_paged_attention_bf16_decodes_and_chunks_match_reference(block_size):
+    # the engine's case: bf16, group 3, long decodes, a chunk on a cached prefix, several query tiles
+    batch = make_paged_batch([1, 1, 40, 1], [300, 77, 150, 1], 9, 3, block_size=block_size, head_dim=64,
+                             dtype=torch.bfloat16)
+    out = cpu_ops.paged_attention(*batch.args())
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), batch.dense_attention(), atol=1.6e-2, rtol=0)
+
+
+def test_rms_norm_and_silu_bf16_round_like_torch():
+    x, residual = torch.randn(8, 576).bfloat16(), torch.randn(8, 576).bfloat16()
+    weight = torch.randn(576).bfloat16()
+    out, new_residual = cpu_ops.rms_norm(x, weight, 1e-5, residual)
+    expected, expected_residual = torch_ops.rms_norm(x, weight, 1e-5, residual)
+    assert torch.equal(new_residual, expected_residual)
+    # the same roundings in the same places: at most one bf16 step apart, and rarely
+    assert (out.float() - expected.float()).abs().le(expected.float().abs() * 2 ** -7).all()
+    gate_up = (torch.randn(8, 2 * 1536) * 3).bfloat16()
+    diff = cpu_ops.silu_and_mul(gate_up).float() - torch_ops.silu_and_mul(gate_up).float()
+    assert diff.ne(0).float().mean().item() < 0.01
+
+
+def test_paged_attention_rejects_unsupported_head_dim_and_mixed_dtypes():
+    batch = make_paged_batch([1], [5], 2, 1, head_dim=48)
+    with pytest.raises(ValueError, match="head_dim in"):
+        cpu_ops.paged_attention(*batch.args())
+    batch = make_paged_batch([1], [5], 2, 1, head_dim=32)
+    batch.query = batch.query.double()
+    with pytest.raises(ValueError, match="one dtype"):
+        cpu_ops.paged_attention(*batch.args())
+
+
+def test_rms_norm_rejects_mismatched_weight():
+    with pytest.raises(ValueError, match="do not match"):
+        cpu_ops.rms_norm(torch.randn(2, 8), torch.randn(4), 1e-5)
+
+
+def test_library_builds_once_per_cache_dir(tmp_path):
+    code = ("from kernels.cpu import library; import sys; library.load(); "
+            "print(sorted(p.name for p in library._cache_dir().iterdir()))")
+    env = {"PREFIXSERVE_CACHE_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+            for _ in range(2)]
+    built = list((tmp_path / "kernels").iterdir())
+    assert len(built) == 1 and built[0].name.startswith("libprefixserve_cpu-") and built[0].suffix == ".so"
+    assert runs[0].stdout == runs[1].stdout == f"{[built[0].name]}\n"
+
+
+def test_no_compiler_is_a_build_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("PREFIXSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    library.load.cache_clear()
+    try:
+        with pytest.raises(library.BuildError):
+            library.load()
+    finally:
+        library.load.cache_clear()
