@@ -27,7 +27,7 @@ def make_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -
 
 
 def bench_prefixserve(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[float, torch.dtype]:
-    llm = LLM(dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens, compile=args.compile)
+    llm = LLM(dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens, backend=args.backend)
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0))  # warm-up
     start = time.perf_counter()
@@ -60,7 +60,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--dtype", default=None, help="default: the engine's default for this CPU")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--compile", action="store_true", help="torch.compile the decoder layers")
+    parser.add_argument("--backend", default="auto", choices=["auto", "cpu", "torch"], help="kernel backend")
     parser.add_argument("--skip-hf", action="store_true", help="only run prefixserve")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: one per core)")
     parser.add_argument("--seed", type=int, default=0)
@@ -73,7 +73,7 @@ def main() -> None:
     prompts = make_prompts(args.num_prompts, args.input_len, 49152, args.seed)
     num_output_tokens = args.num_prompts * args.output_len
     ours, dtype = bench_prefixserve(args, prompts)
-    rows = [("prefixserve" + (" (compiled)" if args.compile else ""), ours)]
+    rows = [(f"prefixserve ({args.backend})", ours)]
     if not args.skip_hf:
         rows.append(("transformers generate", bench_transformers(args, prompts, dtype)))
 

@@ -9,7 +9,8 @@ from typing import Literal
 import pydantic
 import torch
 
-from kernels import get_ops
+from kernels import Backend, get_ops
+from kernels.cpu import library as cpu_kernels
 from replica.executor.checkpoint import Checkpoint, build_model, load_checkpoint
 from replica.executor.detokenizer import IncrementalDetokenizer
 from replica.executor.model import LlamaForCausalLM
@@ -44,8 +45,7 @@ class EngineConfig(pydantic.BaseModel):
     hash_seed: int = 0
     dtype: str | None = None   # None: bfloat16 on CUDA and on CPUs with native bf16 matmuls, else float32
     device: str | None = None  # None: cuda if available else cpu
-    backend: Literal["auto", "triton", "torch"] = "auto"  # auto: triton on cuda, torch on cpu
-    compile: bool = False      # torch.compile the decoder layers (CPU: faster steps, slower start-up)
+    backend: Literal["auto", "triton", "cpu", "torch"] = "auto"  # auto: triton on cuda, else cpu (C++) if it builds
 
     @pydantic.field_validator("dtype")
     @classmethod
@@ -86,6 +86,23 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
 
 
+def resolve_backend(backend: str, device: torch.device, head_dim: int) -> Backend:
+    if backend != "auto":
+        return backend
+    if device.type == "cuda":
+        return "triton"
+    try:
+        cpu_kernels.load()
+    except cpu_kernels.BuildError as error:
+        logger.warning("using the torch reference kernels: %s", error)
+        return "torch"
+    if head_dim not in cpu_kernels.HEAD_DIMS:
+        logger.warning("using the torch reference kernels: the CPU kernels take head_dim in %s, not %d",
+                       cpu_kernels.HEAD_DIMS, head_dim)
+        return "torch"
+    return "cpu"
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
@@ -118,14 +135,10 @@ class EngineCore:
                     f"{config.kv_cache_memory_gib} GiB", self.max_model_len)
 
     def _build_model(self, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-        backend = self.config.backend
-        if backend == "auto":
-            backend = "triton" if device.type == "cuda" else "torch"
+        backend = resolve_backend(self.config.backend, device, checkpoint.config.head_dim)
         model = build_model(checkpoint, dtype=dtype, device=device, ops=get_ops(backend))
-        if self.config.compile:
-            model.compile_layers()
-        logger.info("%s on %s: %s, %s kernels%s", self.model_name, device, str(dtype).removeprefix("torch."),
-                    backend, ", compiled layers" if self.config.compile else "")
+        logger.info("%s on %s: %s, %s kernels", self.model_name, device, str(dtype).removeprefix("torch."),
+                    backend)
         return model
 
     def _max_model_len(self, num_blocks: int) -> int:

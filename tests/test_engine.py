@@ -1,4 +1,4 @@
-"""The offline LLM and EngineCore on the real default model (fp32, CPU, torch kernels).
+"""The offline LLM and EngineCore on the real default model (fp32, CPU, the default CPU kernels).
 
 The reference for every scheduling variant is the same prompts generated one at a time: batching,
 chunked prefill, prefix-cache hits and preemption must not change a single greedy token.

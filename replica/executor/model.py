@@ -74,7 +74,6 @@ class LlamaAttention(nn.Module):
         out = self._paged_attention(query, key, value, kv_cache, metadata)
         return self.o_proj(out.view(num_tokens, self.q_size))
 
-    @torch.compiler.disable  # the kernels run as they are inside a compiled layer
     def _paged_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache,
                          metadata: AttentionMetadata) -> torch.Tensor:
         key_cache, value_cache = kv_cache
@@ -88,18 +87,18 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, ops: KernelOps):
         super().__init__()
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.ops = ops
 
     def shard_sizes(self) -> list[int]:
         return [self.intermediate_size, self.intermediate_size]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -108,7 +107,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.self_attn = LlamaAttention(config, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, ops)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: KVCache, metadata: AttentionMetadata,
@@ -139,13 +138,6 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.cos_sin_cache = rotary_cos_sin(config.head_dim, config.max_position, config.rope_theta,
                                             dtype=torch.float32, device=device)
-
-    def compile_layers(self) -> None:
-        """torch.compile each decoder layer around its attention kernels (which stay as they are): on
-        CPU this fuses the norms, RoPE and SwiGLU into a few loops instead of dozens of memory passes.
-        All layers share one graph, and shapes are dynamic, so it compiles a few times at start-up."""
-        for layer in self.model.layers:
-            layer.compile(dynamic=True)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

@@ -80,26 +80,18 @@ def test_logits_and_greedy_tokens_match_transformers(model_dir):
 
 
 @pytest.mark.slow
-def test_triton_backend_gives_the_same_tokens(llama_dir):
-    """The Triton kernels (in the interpreter without a GPU) through the runner, chunked and batched."""
-    pytest.importorskip("triton")
-    directory = llama_dir
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+@pytest.mark.parametrize("backend", ["triton", "cpu"])
+def test_kernel_backends_give_the_same_tokens(llama_dir, backend):
+    """The Triton kernels (in the interpreter without a GPU) and the CPU kernels through the runner,
+    chunked and batched, against the torch references."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     outputs = {}
-    for backend in ("torch", "triton"):
-        llm = LLM(str(directory), dtype="float32", device=device, backend=backend, num_kv_blocks=32,
+    for name in ("torch", backend):
+        llm = LLM(str(llama_dir), dtype="float32", device=device, backend=name, num_kv_blocks=32,
                   max_num_batched_tokens=16)
-        outputs[backend] = [output.token_ids for output in llm.generate(PROMPTS * 2, params)]
-    assert outputs["triton"] == outputs["torch"]
+        outputs[name] = [output.token_ids for output in llm.generate(PROMPTS * 2, params)]
+    assert outputs[backend] == outputs["torch"]
 
-
-@pytest.mark.slow
-def test_compiled_layers_give_the_same_tokens(llama_dir):
-    directory = llama_dir
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    outputs = [[output.token_ids for output in LLM(str(directory), dtype="float32", num_kv_blocks=32,
-                                                   max_num_batched_tokens=16, compile=compile).generate(
-                                                       PROMPTS * 2, params)]
-               for compile in (False, True)]
-    assert outputs[1] == outputs[0]

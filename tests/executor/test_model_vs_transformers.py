@@ -44,8 +44,9 @@ def prompts() -> list[list[int]]:
             + [tokenizer.encode(text) for text in TEXTS])
 
 
-def test_last_position_logits_match(hf_model, prompts):
-    model = build_model(load_checkpoint(), dtype=torch.float32, device=torch.device("cpu"), ops=get_ops("torch"))
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_last_position_logits_match(hf_model, prompts, backend):
+    model = build_model(load_checkpoint(), dtype=torch.float32, device=torch.device("cpu"), ops=get_ops(backend))
     for prompt in prompts:
         ours = last_position_logits(model, prompt)
         with torch.inference_mode():
@@ -54,7 +55,7 @@ def test_last_position_logits_match(hf_model, prompts):
 
 
 def test_greedy_continuations_match(hf_model, prompts):
-    llm = LLM(dtype="float32", num_kv_blocks=64)
+    llm = LLM(dtype="float32", num_kv_blocks=64)  # the CPU (C++) kernels: the default on CPU
     ours = llm.generate(prompts, SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0))
     for prompt, output in zip(prompts, ours):
         with torch.inference_mode():
