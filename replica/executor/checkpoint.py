@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from kernels import KernelOps
-from replica.executor import gguf_loader, hf_loader
+from replica.executor import gguf_loader, hf_loader, packed_linear
 from replica.executor.config import ModelConfig
 from replica.executor.model import LlamaForCausalLM
 from replica.executor.tokenizer import Tokenizer
@@ -68,6 +68,8 @@ def build_model(checkpoint: Checkpoint, *, dtype: torch.dtype, device: torch.dev
         model = LlamaForCausalLM(checkpoint.config, ops, device)
     model.to_empty(device=device)
     model.load_weights((name, tensor.to(device)) for name, tensor in checkpoint.iter_weights(dtype))
+    if packed_linear.can_pack(device, dtype):
+        model.pack_linear_weights()
     return model.eval()
 
 

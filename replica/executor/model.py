@@ -13,6 +13,7 @@ from torch import nn
 
 from kernels import KernelOps, rotary_cos_sin
 from replica.executor.config import ModelConfig
+from replica.executor.packed_linear import PackedLinear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # key, value: [num_blocks, block_size, num_kv_heads, head_dim]
 
@@ -136,6 +137,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, ops)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.packed_lm_head: PackedLinear | None = None
         self.cos_sin_cache = rotary_cos_sin(config.head_dim, config.max_position, config.rope_theta,
                                             dtype=torch.float32, device=device)
 
@@ -154,7 +156,18 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> fp32 logits [N, vocab_size]."""
+        if self.packed_lm_head is not None:
+            return self.packed_lm_head(hidden).float()
         return F.linear(hidden, self.lm_head_weight).float()
+
+    def pack_linear_weights(self) -> None:
+        """CPU, once the weights are loaded: every projection and the LM head on oneDNN-packed weights.
+        A tied head gets a packed copy; the embedding table stays for the token lookup."""
+        for module in list(self.modules()):
+            for name, child in list(module.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(module, name, PackedLinear.from_linear(child))
+        self.packed_lm_head = getattr(self, "lm_head", None) or PackedLinear(self.lm_head_weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (HF names) in; q/k/v and gate/up land in their fused parameters."""

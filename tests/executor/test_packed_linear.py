@@ -1,0 +1,48 @@
+"""oneDNN-packed linear layers against F.linear, and the model packing its projections and head."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import get_ops
+from replica.executor import packed_linear
+from replica.executor.config import ModelConfig
+from replica.executor.model import LlamaForCausalLM
+from replica.executor.packed_linear import PackedLinear
+
+CPU = torch.device("cpu")
+pytestmark = pytest.mark.skipif(not packed_linear.can_pack(CPU, torch.float32), reason="torch built without oneDNN")
+
+
+@pytest.mark.parametrize("rows", [1, 64, 300])
+def test_packed_linear_matches_f_linear(rows):
+    torch.manual_seed(rows)
+    linear = nn.Linear(96, 160)
+    x = torch.randn(rows, 96)
+    torch.testing.assert_close(PackedLinear.from_linear(linear)(x), F.linear(x, linear.weight, linear.bias),
+                               atol=1e-5, rtol=1e-5)
+    if packed_linear.can_pack(CPU, torch.bfloat16):  # bf16: the same oneDNN kernel as F.linear, bit for bit
+        weight, x16 = linear.weight.detach().bfloat16(), x.bfloat16()
+        assert torch.equal(PackedLinear(weight)(x16), F.linear(x16, weight))
+
+
+def test_can_pack_only_cpu_float_dtypes():
+    assert not packed_linear.can_pack(torch.device("cuda"), torch.float32)
+    assert not packed_linear.can_pack(CPU, torch.float16)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_model_packs_every_projection_and_keeps_its_logits(tied):
+    config = ModelConfig(architecture="llama", vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0, max_position=64,
+                         tie_word_embeddings=tied, attention_bias=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config, get_ops("torch"), CPU)
+    for param in model.parameters():
+        param.data.normal_()
+    hidden = torch.randn(5, 32)
+    expected = model.compute_logits(hidden)
+    model.pack_linear_weights()
+    assert not any(isinstance(module, nn.Linear) for module in model.modules())
+    assert sum(isinstance(module, PackedLinear) for module in model.modules()) == 4 * 2 + 1
+    torch.testing.assert_close(model.compute_logits(hidden), expected, atol=1e-4, rtol=1e-5)
