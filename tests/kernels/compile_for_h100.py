@@ -9,7 +9,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels.triton import attention, cache_write, rms_norm, rotary
+from kernels.triton import activation, attention, cache_write, rms_norm, rotary
 
 H100 = GPUTarget("cuda", 90, 32)
 INDEX_POINTERS = {"block_tables_ptr": "*i32", "query_start_loc_ptr": "*i32",
@@ -44,6 +44,7 @@ def main() -> None:
         compile_kernel(rms_norm._rms_norm_kernel, "bf16",
                        dict(HAS_RESIDUAL=has_residual, BLOCK_H=4096), num_warps=8)
     compile_kernel(rotary._rotary_kernel, "bf16", dict(HEADS_PAD=32, KV_HEADS_PAD=8, HALF_PAD=64))
+    compile_kernel(activation._silu_and_mul_kernel, "bf16", dict(BLOCK=activation.BLOCK))
 
 
 if __name__ == "__main__":

@@ -17,4 +17,4 @@ def test_every_kernel_compiles_for_h100():
     assert result.returncode == 0, result.stderr
     compiled = [line.split()[0] for line in result.stdout.splitlines()]
     assert compiled == ["_paged_attention_kernel"] * 4 + [
-        "_write_kv_cache_kernel", "_rms_norm_kernel", "_rms_norm_kernel", "_rotary_kernel"]
+        "_write_kv_cache_kernel", "_rms_norm_kernel", "_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel"]
