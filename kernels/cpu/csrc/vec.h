@@ -46,15 +46,20 @@ inline void store16(_Float16* dst, vfloat x) {
   std::memcpy(dst, &out, sizeof(out));
 }
 
+// Lane-wise op with the vector's halves swapped, four times: every lane ends up with the result.
+template <typename Op>
+inline float reduce(vfloat x, Op op) {
+  x = op(x, __builtin_shuffle(x, vint{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
+  x = op(x, __builtin_shuffle(x, vint{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11}));
+  x = op(x, __builtin_shuffle(x, vint{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13}));
+  x = op(x, __builtin_shuffle(x, vint{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}));
+  return x[0];
+}
 inline float reduce_max(vfloat x) {
-  float out = x[0];
-  for (int i = 1; i < kLanes; ++i) out = std::max(out, x[i]);
-  return out;
+  return reduce(x, [](vfloat a, vfloat b) { return a > b ? a : b; });
 }
 inline float reduce_sum(vfloat x) {
-  float out = 0.0f;
-  for (int i = 0; i < kLanes; ++i) out += x[i];
-  return out;
+  return reduce(x, [](vfloat a, vfloat b) { return a + b; });
 }
 
 // 2^x lane by lane, as exp2_approx: within 2 ulp for x < 128, exactly 0 below -126.
