@@ -172,12 +172,7 @@ def run(args: argparse.Namespace, model: str | None) -> None:
     dtype = resolve_dtype(args.dtype, device)
     workload = make_workload(args, load_checkpoint(model).config.vocab_size)
     load_before = os.getloadavg()[0]
-    start = time.perf_counter()
-    llm = LLM(model, dtype=args.dtype, device=args.device, max_num_batched_tokens=args.max_num_batched_tokens,
-              backend=args.backend, kv_cache_memory_gib=args.kv_cache_gib)
-    warm_up = [prompt[::-1] for prompt in workload.prompts[:2]]  # reversed: no prefix-cache hits later
-    llm.generate(warm_up, SamplingParams(max_tokens=4, temperature=0))
-    startup = time.perf_counter() - start
+    llm, startup = start_prefixserve(args, model, workload)
     ours = bench_prefixserve(llm, workload)
     rows = [(f"prefixserve ({args.backend})", ours, f"start-up {startup:.0f} s")]
     if args.workload == "fixed":
@@ -188,10 +183,23 @@ def run(args: argparse.Namespace, model: str | None) -> None:
     if args.vllm_python:
         elapsed, report = bench_vllm(args, workload)
         rows.append((f"vLLM {report['vllm_version']}", elapsed, f"start-up {report['startup_s']:.0f} s"))
-
     print(f"\n{len(workload.prompts)} prompts ({args.workload}), {sum(map(len, workload.prompts))} prompt tokens, "
           f"{workload.num_output_tokens} output tokens; {str(dtype).removeprefix('torch.')} on {device}, "
           f"{torch.get_num_threads()} threads, load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}")
+    print_table(rows, workload)
+
+
+def start_prefixserve(args: argparse.Namespace, model: str | None, workload: Workload) -> tuple[LLM, float]:
+    """The engine, warmed up on two reversed prompts (no prefix-cache hits later), and the seconds that took."""
+    start = time.perf_counter()
+    llm = LLM(model, dtype=args.dtype, device=args.device, max_num_batched_tokens=args.max_num_batched_tokens,
+              backend=args.backend, kv_cache_memory_gib=args.kv_cache_gib)
+    llm.generate([prompt[::-1] for prompt in workload.prompts[:2]], SamplingParams(max_tokens=4, temperature=0))
+    return llm, time.perf_counter() - start
+
+
+def print_table(rows: list[tuple[str, float, str]], workload: Workload) -> None:
+    ours = rows[0][1]
     print(f"{'engine':<24}{'time s':>9}{'output tok/s':>14}{'total tok/s':>13}{'ours x':>9}  note")
     for name, elapsed, note in rows:
         print(f"{name:<24}{elapsed:>9.2f}{workload.num_output_tokens / elapsed:>14.1f}"
