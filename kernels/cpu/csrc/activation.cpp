@@ -8,11 +8,11 @@ namespace prefixserve {
 namespace {
 
 template <typename T>
-void silu_and_mul16(T* out, const T* gate, const T* up) {
-  const vfloat g = load16(gate);
+void silu_and_mul_vec(T* out, const T* gate, const T* up) {
+  const vfloat g = load_vec(gate);
   T silu[kLanes];  // rounded to T, as torch's silu output is
-  store16(silu, g / (1.0f + exp2_approx(g * -kLog2e)));
-  store16(out, load16(silu) * load16(up));
+  store_vec(silu, g / (1.0f + exp2_approx(g * -kLog2e)));
+  store_vec(out, load_vec(silu) * load_vec(up));
 }
 
 template <typename T>
@@ -23,12 +23,12 @@ void silu_and_mul(T* out, const T* gate_up, int64_t num_tokens, int64_t size, in
     const T* up = gate + size;
     T* out_row = out + token * size;
     int64_t i = 0;
-    for (; i + kLanes <= size; i += kLanes) silu_and_mul16(out_row + i, gate + i, up + i);
+    for (; i + kLanes <= size; i += kLanes) silu_and_mul_vec(out_row + i, gate + i, up + i);
     if (i < size) {  // the last partial vector, through zero-padded copies
       T gate_tail[kLanes] = {}, up_tail[kLanes] = {}, out_tail[kLanes];
       std::copy(gate + i, gate + size, gate_tail);
       std::copy(up + i, up + size, up_tail);
-      silu_and_mul16(out_tail, gate_tail, up_tail);
+      silu_and_mul_vec(out_tail, gate_tail, up_tail);
       std::copy_n(out_tail, size - i, out_row + i);
     }
   }

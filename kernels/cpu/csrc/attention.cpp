@@ -3,8 +3,9 @@
 //
 // A work item is one KV head of one tile of a request's query tokens. Its rows are those tokens
 // times the query heads sharing that KV head, so each K/V position is read and converted once for
-// the whole group. It walks the context through the block table in chunks of 16 positions: per
-// row, 16 dot products become one vector of scores, then an online-softmax update (fp32, base 2).
+// the whole group. It walks the context through the block table in chunks of one vector's width
+// of positions: per row, that many dot products become one vector of scores, then an online-softmax
+// update (fp32, base 2).
 #include <algorithm>
 #include <limits>
 #include <memory>
@@ -32,8 +33,11 @@ struct AttentionArgs {
   float scale;
 };
 
-template <typename T, int kVecs>  // head_dim = kVecs * 16
+template <typename T, int kHeadDim>
 class PagedAttention {
+  static constexpr int kVecs = kHeadDim / kLanes;
+  static_assert(kVecs * kLanes == kHeadDim);
+
  public:
   explicit PagedAttention(const AttentionArgs& args)
       : a_(args), group_(args.num_heads / args.num_kv_heads),
@@ -65,7 +69,7 @@ class PagedAttention {
     vfloat acc[kVecs];
     float max_score, denominator;
   };
-  struct Chunk {  // up to 16 context positions of one KV head, in fp32
+  struct Chunk {  // up to kLanes context positions of one KV head, in fp32
     vfloat keys[kLanes][kVecs];
     vfloat values[kLanes][kVecs];
   };
@@ -99,7 +103,7 @@ class PagedAttention {
   void load_row(int64_t token, int64_t kv_head, int64_t row, Row& out) const {
     const T* src = query_head(token, kv_head, row);
     for (int v = 0; v < kVecs; ++v) {
-      out.query[v] = load16(src + v * kLanes) * (a_.scale * kLog2e);
+      out.query[v] = load_vec(src + v * kLanes) * (a_.scale * kLog2e);
       out.acc[v] = vfloat{};
     }
     out.max_score = -kInfinity;
@@ -108,20 +112,21 @@ class PagedAttention {
 
   void load_chunk(int64_t req, int64_t kv_head, int64_t chunk_start, int64_t chunk_len, Chunk& out) const {
     const int32_t* block_table = a_.block_tables + req * a_.stride_block_table;
+    int64_t block = chunk_start / a_.block_size, slot = chunk_start % a_.block_size;  // no division per position
     for (int64_t c = 0; c < kLanes; ++c) {
       if (c >= chunk_len) {  // past the context: zeros, never a read through the block table
         std::fill_n(out.keys[c], kVecs, vfloat{});
         std::fill_n(out.values[c], kVecs, vfloat{});
         continue;
       }
-      const int64_t position = chunk_start + c;
-      const int64_t offset = block_table[position / a_.block_size] * a_.stride_cache_block +
-                             (position % a_.block_size) * a_.stride_cache_slot + kv_head * a_.stride_cache_head;
+      const int64_t offset =
+          block_table[block] * a_.stride_cache_block + slot * a_.stride_cache_slot + kv_head * a_.stride_cache_head;
+      if (++slot == a_.block_size) ++block, slot = 0;
       const T* key = static_cast<const T*>(a_.key_cache) + offset;
       const T* value = static_cast<const T*>(a_.value_cache) + offset;
       for (int v = 0; v < kVecs; ++v) {
-        out.keys[c][v] = load16(key + v * kLanes);
-        out.values[c][v] = load16(value + v * kLanes);
+        out.keys[c][v] = load_vec(key + v * kLanes);
+        out.values[c][v] = load_vec(value + v * kLanes);
       }
     }
   }
@@ -133,7 +138,7 @@ class PagedAttention {
       partial[c] = row.query[0] * chunk.keys[c][0];
       for (int v = 1; v < kVecs; ++v) partial[c] += row.query[v] * chunk.keys[c][v];
     }
-    const vint lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    constexpr vint lane = lane_indices([](int c) { return c; });
     const vfloat scores = lane < static_cast<int32_t>(visible) ? sum_lanes_of_each(partial) : broadcast(-kInfinity);
     const float new_max = std::max(row.max_score, reduce_max(scores));
     const vfloat weights = exp2_approx(scores - new_max);
@@ -152,7 +157,7 @@ class PagedAttention {
     T* dst = static_cast<T*>(a_.out) + (token + row / group_) * a_.stride_out_token +
              (kv_head * group_ + row % group_) * a_.stride_out_head;
     const float inverse = 1.0f / in.denominator;
-    for (int v = 0; v < kVecs; ++v) store16(dst + v * kLanes, in.acc[v] * inverse);
+    for (int v = 0; v < kVecs; ++v) store_vec(dst + v * kLanes, in.acc[v] * inverse);
   }
 
   const AttentionArgs& a_;
@@ -163,13 +168,13 @@ class PagedAttention {
 template <typename T>
 bool run_attention(const AttentionArgs& args, int64_t head_dim) {
   switch (head_dim) {
-    case 16: PagedAttention<T, 1>(args).run(); return true;
-    case 32: PagedAttention<T, 2>(args).run(); return true;
-    case 64: PagedAttention<T, 4>(args).run(); return true;
-    case 80: PagedAttention<T, 5>(args).run(); return true;
-    case 96: PagedAttention<T, 6>(args).run(); return true;
-    case 128: PagedAttention<T, 8>(args).run(); return true;
-    case 256: PagedAttention<T, 16>(args).run(); return true;
+    case 16: PagedAttention<T, 16>(args).run(); return true;
+    case 32: PagedAttention<T, 32>(args).run(); return true;
+    case 64: PagedAttention<T, 64>(args).run(); return true;
+    case 80: PagedAttention<T, 80>(args).run(); return true;
+    case 96: PagedAttention<T, 96>(args).run(); return true;
+    case 128: PagedAttention<T, 128>(args).run(); return true;
+    case 256: PagedAttention<T, 256>(args).run(); return true;
     default: return false;
   }
 }
