@@ -12,6 +12,7 @@ import torch
 from kernels import Backend, get_ops
 from kernels.cpu import library as cpu_kernels
 from replica.executor.checkpoint import Checkpoint, build_model, load_checkpoint
+from replica.executor.cpu_allocator import keep_freed_memory
 from replica.executor.detokenizer import IncrementalDetokenizer
 from replica.executor.model import LlamaForCausalLM
 from replica.executor.model_runner import ModelRunner
@@ -108,6 +109,8 @@ class EngineCore:
         self.config = config = config or EngineConfig()
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
+        if device.type == "cpu":
+            keep_freed_memory()
         checkpoint = load_checkpoint(config.model)
         self.tokenizer = checkpoint.tokenizer
         self.model_config = checkpoint.config
