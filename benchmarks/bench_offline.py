@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from replica.engine import LLM, resolve_dtype
+from replica.engine import LLM, resolve_device, resolve_dtype
 from replica.executor.checkpoint import default_model_path, load_checkpoint
 from replica.executor.packed_linear import PackedLinear
 from replica.request import SamplingParams
@@ -168,7 +168,7 @@ def main() -> None:
 
 
 def run(args: argparse.Namespace, model: str | None) -> None:
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     workload = make_workload(args, load_checkpoint(model).config.vocab_size)
     load_before = os.getloadavg()[0]

@@ -165,24 +165,16 @@ class PagedAttention {
   const int64_t tokens_per_tile_;
 };
 
-template <typename T>
+// Runs the instantiation for head_dim, one of kHeadDims; false if it is none of them.
+template <typename T, int... kHeadDims>
 bool run_attention(const AttentionArgs& args, int64_t head_dim) {
-  switch (head_dim) {
-    case 16: PagedAttention<T, 16>(args).run(); return true;
-    case 32: PagedAttention<T, 32>(args).run(); return true;
-    case 64: PagedAttention<T, 64>(args).run(); return true;
-    case 80: PagedAttention<T, 80>(args).run(); return true;
-    case 96: PagedAttention<T, 96>(args).run(); return true;
-    case 128: PagedAttention<T, 128>(args).run(); return true;
-    case 256: PagedAttention<T, 256>(args).run(); return true;
-    default: return false;
-  }
+  return ((head_dim == kHeadDims && (PagedAttention<T, kHeadDims>(args).run(), true)) || ...);
 }
 
 }  // namespace
 }  // namespace prefixserve
 
-// Returns 0, or -1 if head_dim is not one of the dims instantiated above.
+// Returns 0, or -1 if head_dim is not one of the dims instantiated here (library.py HEAD_DIMS).
 extern "C" int prefixserve_paged_attention(
     int64_t dtype, void* out, const void* query, const void* key_cache, const void* value_cache,
     const int32_t* block_tables, const int32_t* query_start_loc, const int32_t* seq_lens,
@@ -196,6 +188,6 @@ extern "C" int prefixserve_paged_attention(
                            stride_query_token, stride_query_head, stride_out_token, stride_out_head,
                            stride_cache_block, stride_cache_slot, stride_cache_head, stride_block_table, scale};
   bool supported = false;
-  dispatch(dtype, [&](auto element) { supported = run_attention<decltype(element)>(args, head_dim); });
+  dispatch(dtype, [&](auto element) { supported = run_attention<decltype(element), 16, 32, 64, 80, 96, 128, 256>(args, head_dim); });
   return supported ? 0 : -1;
 }

@@ -99,10 +99,6 @@ inline vfloat exp2_approx(vfloat x) {
   return underflow ? broadcast(0.0f) : p * reinterpret_cast<vfloat>(exponent_bits);
 }
 
-}  // namespace prefixserve
-
-namespace prefixserve {
-
 // Lane c of the result is the sum of the lanes of partial[c] (partial is overwritten): a
 // transpose-and-add tree. Each level adds the interleaved halves of pairs of vectors, each
 // holding kCount items of kLanes / kCount lanes, into vectors of half as many items of twice the lanes.
