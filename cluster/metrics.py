@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from router.actor import RouterSnapshot
+from router.messages import RouterSnapshot
 
 PREFIX = "prefixserve:"
 # vLLM's buckets

@@ -11,7 +11,8 @@ import functools
 import logging
 from typing import TYPE_CHECKING
 
-from router.actor import FinishedRequest, RouterClient
+from router.actor import RouterClient
+from router.messages import FinishedRequest
 
 if TYPE_CHECKING:
     from replica.engine import EngineCore

@@ -22,32 +22,11 @@ from ray.actor import ActorHandle
 
 from replica.kv_cache import BlockHash, KVEvent
 from replica.scheduler import SchedulerStats
-from router.policy import PolicyConfig, ReplicaLoad, RoutingDecision
+from router.messages import FinishedRequest, ReplicaSnapshot, RouterSnapshot, RoutingDecision
+from router.policy import PolicyConfig, ReplicaLoad
 from router.state import RouterState
 
 NAMESPACE = "prefixserve"
-
-
-@dataclass(frozen=True, slots=True)
-class FinishedRequest:
-    request_id: str
-    num_cached_tokens: int | None  # prompt tokens found in the prefix cache; None if never scheduled
-
-
-@dataclass(slots=True)
-class ReplicaSnapshot:
-    stats: SchedulerStats
-    index_blocks: int = 0
-    num_in_flight: int = 0            # routed here and not finished yet
-    predicted_cached_tokens: int = 0  # summed over finished requests the router chose a replica for
-    actual_cached_tokens: int = 0     # what the replicas reported for those same requests
-
-
-@dataclass(slots=True)
-class RouterSnapshot:
-    policy: str
-    replicas: dict[str, ReplicaSnapshot] = field(default_factory=dict)
-    decisions: dict[str, int] = field(default_factory=dict)  # outcome -> count
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,8 @@ from typing import Literal, Protocol
 
 import pydantic
 
+from router.messages import RoutingDecision
+
 
 @dataclass(slots=True)
 class ReplicaLoad:
@@ -64,13 +66,6 @@ class Candidate:
     kv_usage: float = 0.0
     recent_preemptions: int = 0  # within the last preemption_window_s
     num_cached_blocks: int = 0   # everything it caches, this request's prefix or not
-
-
-@dataclass(frozen=True, slots=True)
-class RoutingDecision:
-    replica_id: str
-    matched_blocks: int
-    outcome: str  # "prefix_hit", "no_hit", "spill", "round_robin" or "least_loaded"
 
 
 class Policy(Protocol):

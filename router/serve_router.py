@@ -15,7 +15,8 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from replica.kv_cache import BlockHash
 from router.actor import RouterClient
-from router.policy import PolicyConfig, RoutingDecision
+from router.messages import RoutingDecision
+from router.policy import PolicyConfig
 
 logger = logging.getLogger("ray.serve.prefixserve.router")
 

@@ -58,3 +58,5 @@ class SchedulerStats:
     num_preemptions: int       # cumulative
     prefix_cache_queries: int  # tokens looked up at admission, cumulative
     prefix_cache_hits: int     # tokens found in the prefix cache, cumulative
+    num_prefill_tokens_pending: int = 0  # tokens of running and waiting requests still to prefill (or recompute)
+    num_free_blocks: int = 0             # blocks a new request can take: free ones and evictable cached ones

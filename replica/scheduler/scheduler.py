@@ -4,6 +4,7 @@ Each step: running requests first (preempting by recompute when the KV cache is 
 waiting requests, only if nothing was preempted. There are no prefill or decode phases: every
 request just advances num_computed_tokens towards num_tokens.
 """
+import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -257,6 +258,8 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
+            num_prefill_tokens_pending=sum(map(_prefill_tokens_pending, itertools.chain(self.running, self.waiting))),
+            num_free_blocks=self.kv_cache_manager.block_pool.get_num_free_blocks(),
         )
 
     def _record_trace(self, plan: _StepPlan) -> None:
@@ -271,3 +274,9 @@ class Scheduler:
                        for name, group in (("running", plan.running), ("resumed", plan.resumed),
                                            ("new", plan.new))},
             preempted=plan.preempted)
+
+
+def _prefill_tokens_pending(request: Request) -> int:
+    """Tokens still to compute before the request decodes: the prompt, or all of it again after a preemption."""
+    num_tokens_to_decode_from = request.num_tokens - min(request.num_output_tokens, 1)
+    return max(num_tokens_to_decode_from - request.num_computed_tokens, 0)

@@ -13,7 +13,7 @@ from cluster.serving import ModelInfo, OpenAIServing
 from replica.kv_cache import hash_token_blocks
 from replica.request import SamplingParams
 from replica.scheduler import SchedulerStats
-from router.actor import ReplicaSnapshot, RouterSnapshot
+from router.messages import ReplicaSnapshot, RouterSnapshot
 
 from .fakes import BLOCK_SIZE, HASH_SEED, VOCAB_SIZE, FakeEngineClient, FakeTokenizer
 

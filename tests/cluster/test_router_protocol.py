@@ -6,7 +6,8 @@ from cluster.publisher import RouterPublisher
 from replica.kv_cache import hash_token_blocks
 from replica.request import SamplingParams
 from replica.scheduler import SchedulerStats
-from router.actor import FinishedRequest, RouterActor, router_actor_name
+from router.actor import RouterActor, router_actor_name
+from router.messages import FinishedRequest
 from router.policy import PolicyConfig
 
 from .fakes import BLOCK_SIZE, HASH_SEED, FakeEngineCore

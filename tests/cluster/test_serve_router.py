@@ -7,7 +7,7 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID, Repl
 
 from cluster.engine_loop import EngineRequest
 from replica.request import SamplingParams
-from router.policy import RoutingDecision
+from router.messages import RoutingDecision
 from router.serve_router import PrefixAwareRequestRouter
 
 DEPLOYMENT = DeploymentID("engine", "app")

@@ -1,0 +1,38 @@
+"""What crosses the wire to and from the router: Ray-free, so engines, the ingress, simulators and
+tests share the exact types the router actor takes and returns."""
+from dataclasses import dataclass, field
+
+from replica.kv_cache import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
+from replica.scheduler import SchedulerStats
+
+__all__ = ["AllBlocksCleared", "BlockHash", "BlockRemoved", "BlockStored", "FinishedRequest", "KVEvent",
+           "ReplicaSnapshot", "RouterSnapshot", "RoutingDecision", "SchedulerStats"]
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedRequest:
+    request_id: str
+    num_cached_tokens: int | None  # prompt tokens found in the prefix cache; None if never scheduled
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingDecision:
+    replica_id: str
+    matched_blocks: int
+    outcome: str  # "prefix_hit", "no_hit", "spill", "round_robin", "least_loaded" or "fallback"
+
+
+@dataclass(slots=True)
+class ReplicaSnapshot:
+    stats: SchedulerStats
+    index_blocks: int = 0
+    num_in_flight: int = 0            # routed here and not finished yet
+    predicted_cached_tokens: int = 0  # summed over finished requests the router chose a replica for
+    actual_cached_tokens: int = 0     # what the replicas reported for those same requests
+
+
+@dataclass(slots=True)
+class RouterSnapshot:
+    policy: str
+    replicas: dict[str, ReplicaSnapshot] = field(default_factory=dict)
+    decisions: dict[str, int] = field(default_factory=dict)  # outcome -> count
