@@ -1,7 +1,7 @@
+from router.core import Router
 from router.index import BlockIndex
-from router.messages import FinishedRequest, RouterSnapshot, RoutingDecision
-from router.policy import Candidate, PolicyConfig, ReplicaLoad, make_policy
-from router.state import RouterState
+from router.messages import FinishedRequest, ReplicaSnapshot, RouterSnapshot, RoutingDecision
+from router.policy import Candidate, PolicyConfig, RequestShape, make_policy
 
-__all__ = ["BlockIndex", "Candidate", "FinishedRequest", "PolicyConfig", "ReplicaLoad", "RouterSnapshot", "RouterState", "RoutingDecision",
-           "make_policy"]
+__all__ = ["BlockIndex", "Candidate", "FinishedRequest", "PolicyConfig", "ReplicaSnapshot", "RequestShape", "Router",
+           "RouterSnapshot", "RoutingDecision", "make_policy"]

@@ -24,6 +24,7 @@ logger = logging.getLogger("ray.serve.prefixserve.router")
 class Routable(Protocol):
     """What the router reads from a request: the first argument of the engine call."""
     request_id: str
+    prompt_token_ids: list[int]
     block_hashes: list[BlockHash]
 
 
@@ -35,6 +36,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         self._router = router or RouterClient(self.app_name, self._policy, block_size)
         self._timeout_s = timeout_s
         self._actor_ok = True
+        self._choices: dict[str, str] = {}  # request id -> the replica the actor chose, until Serve routes it
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -46,8 +48,16 @@ class PrefixAwareRequestRouter(RequestRouter):
         chosen = by_id.get(decision.replica_id) if decision is not None else None
         if chosen is None:
             return [candidate_replicas]
+        self._choices[request.request_id] = decision.replica_id
         # Should the chosen replica refuse (queue full), Serve moves on to the second tier.
         return [[chosen], [replica for replica in candidate_replicas if replica is not chosen]]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        """Where Serve sent the request: if not where the actor chose, its booking moves there."""
+        request = _routable(pending_request)
+        chosen = self._choices.pop(request.request_id, None) if request is not None else None
+        if chosen is not None and chosen != replica_id.unique_id:
+            self._event_loop.create_task(self._tell_routed(request.request_id, replica_id.unique_id))
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         gone = self._replica_id_set - {replica.replica_id for replica in replicas}
@@ -71,7 +81,8 @@ class PrefixAwareRequestRouter(RequestRouter):
     async def _choose(self, request: Routable, candidates: list[str]) -> RoutingDecision:
         router = await self._router.get()
         try:
-            return await router.choose.remote(request.request_id, request.block_hashes, candidates)
+            return await router.choose.remote(request.request_id, request.block_hashes, candidates,
+                                              num_prompt_tokens=len(request.prompt_token_ids))
         except RayActorError:
             self._router.reset()
             raise
@@ -86,6 +97,13 @@ class PrefixAwareRequestRouter(RequestRouter):
             await router.remove_replica.remote(replica_id)
         except Exception as exc:
             logger.warning("could not remove replica %s from the router: %s", replica_id, exc)
+
+    async def _tell_routed(self, request_id: str, replica_id: str) -> None:
+        try:
+            router = await self._router.get()
+            await router.routed.remote(request_id, replica_id)
+        except Exception as exc:  # the booking then stays where it was until the request finishes
+            logger.warning("could not move request %s's booking to %s: %s", request_id, replica_id, exc)
 
     def _report_actor(self, *, ok: bool, reason: BaseException | None = None) -> None:
         if ok != self._actor_ok:

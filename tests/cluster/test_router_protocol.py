@@ -109,7 +109,7 @@ def test_batches_are_numbered_and_mirrored_by_the_router():
 
     handle = asyncio.run(test())
     assert handle.delivered == [("publish", 1), ("publish", 2), ("publish", 3)]
-    assert handle.actor.choose("x", prompt_hashes(list(range(12))), ["r0", "r1"]).matched_blocks == 3
+    assert handle.actor.index.match(prompt_hashes(list(range(12)))) == {"r1": 3}
 
 
 def test_a_lost_batch_makes_the_next_publish_a_resync():
@@ -131,8 +131,8 @@ def test_a_lost_batch_makes_the_next_publish_a_resync():
     handle = asyncio.run(test())
     assert client.resets == 1
     assert handle.delivered == [("resync", 2), ("publish", 3)]
-    assert handle.actor.choose("x", prompt_hashes(list(range(8))), ["r0", "r1"]).matched_blocks == 2
-    assert handle.actor.choose("y", prompt_hashes(list(range(100, 108))), ["r0", "r1"]).matched_blocks == 2
+    assert handle.actor.index.match(prompt_hashes(list(range(8)))) == {"r1": 2}
+    assert handle.actor.index.match(prompt_hashes(list(range(100, 108)))) == {"r1": 2}
 
 
 def test_a_new_router_gets_a_resync_once():
@@ -153,7 +153,7 @@ def test_a_new_router_gets_a_resync_once():
 
     handle = asyncio.run(test())
     assert handle.delivered == [("publish", 1), ("publish", 2), ("publish", 3), ("resync", 4), ("publish", 5)]
-    assert handle.actor.choose("x", prompt_hashes(list(range(8))), ["r0", "r1"]).matched_blocks == 2
+    assert handle.actor.index.match(prompt_hashes(list(range(8)))) == {"r1": 2}
 
 
 def test_an_unreachable_router_is_looked_up_again_then_resynced():
@@ -170,7 +170,7 @@ def test_an_unreachable_router_is_looked_up_again_then_resynced():
     asyncio.run(test())
     assert client.lookups == 2
     assert client.handle.delivered == [("resync", 1)]
-    assert client.handle.actor.choose("x", prompt_hashes(list(range(8))), ["r0", "r1"]).matched_blocks == 2
+    assert client.handle.actor.index.match(prompt_hashes(list(range(8)))) == {"r1": 2}
 
 
 def test_finished_requests_release_bookings_and_score_predictions():
@@ -186,7 +186,7 @@ def test_finished_requests_release_bookings_and_score_predictions():
     snapshot = router.snapshot()
     replica = snapshot.replicas["r1"]
     assert (replica.num_in_flight, replica.predicted_cached_tokens, replica.actual_cached_tokens) == (0, 8, 4)
-    assert replica.index_blocks == 3  # the routed request's blocks count as cached from the moment it is routed
+    assert replica.index_blocks == 2  # what r1 reported stored; the routed request's booking is released
     assert snapshot.decisions == {"prefix_hit": 1, "no_hit": 1}
     assert snapshot.policy == "prefix"
 
@@ -229,7 +229,7 @@ def test_bookings_whose_finish_never_comes_expire():
     router.choose("lost", [], ["r1"])
     clock.now = 30.0
     router.choose("kept", [], ["r1"])
-    clock.now = RouterActor.booking_ttl_s
+    clock.now = PolicyConfig().booking_ttl_s
     router.choose("new", [], ["r1"])
     assert router.snapshot().replicas["r1"].num_in_flight == 2
     router.publish("r1", 2, [], STATS, [FinishedRequest("lost", 0), FinishedRequest("kept", 0)])

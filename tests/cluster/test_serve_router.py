@@ -37,6 +37,7 @@ class FakeRouterActor:
         self.answer = answer
         self.chosen: list[tuple] = []
         self.removed: list[str] = []
+        self.routed_elsewhere: list[tuple[str, str]] = []
 
     @property
     def choose(self):
@@ -46,8 +47,12 @@ class FakeRouterActor:
     def remove_replica(self):
         return FakeMethod(self.removed.append)
 
-    async def _choose(self, request_id, block_hashes, candidates) -> RoutingDecision:
-        self.chosen.append((request_id, block_hashes, candidates))
+    @property
+    def routed(self):
+        return FakeMethod(lambda request_id, replica_id: self.routed_elsewhere.append((request_id, replica_id)))
+
+    async def _choose(self, request_id, block_hashes, candidates, *, num_prompt_tokens) -> RoutingDecision:
+        self.chosen.append((request_id, block_hashes, candidates, num_prompt_tokens))
         if self.answer is None:
             await asyncio.Event().wait()
         if isinstance(self.answer, Exception):
@@ -59,8 +64,8 @@ class FakeRouterActor:
 class FakeMethod:
     fn: object
 
-    def remote(self, *args):
-        result = self.fn(*args)
+    def remote(self, *args, **kwargs):
+        result = self.fn(*args, **kwargs)
         return result if asyncio.iscoroutine(result) else _resolved(result)
 
 
@@ -106,7 +111,20 @@ def test_the_actors_choice_comes_first_then_the_others():
 
     tiers, actor, _ = run(test, "b")
     assert ids(tiers) == [["b"], ["a", "c"]]
-    assert actor.chosen == [("req-1", REQUEST.block_hashes, ["a", "b", "c"])]
+    assert actor.chosen == [("req-1", REQUEST.block_hashes, ["a", "b", "c"], 4)]
+
+
+def test_a_request_serve_sends_to_its_second_tier_moves_its_booking():
+    async def test(router, actor, replicas):
+        pending = FakePendingRequest([REQUEST])
+        tiers = await router.choose_replicas(replicas, pending)
+        router.on_request_routed(pending, tiers[1][0].replica_id, None)  # b refused it
+        other = FakePendingRequest([EngineRequest("req-2", [1], [], SamplingParams())])
+        await router.choose_replicas(replicas, other)
+        router.on_request_routed(other, replicas[1].replica_id, None)  # where the actor chose
+
+    _, actor, _ = run(test, "b")
+    assert actor.routed_elsewhere == [("req-1", "a")]
 
 
 def test_requests_without_block_hashes_are_left_to_serve():

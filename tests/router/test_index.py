@@ -5,6 +5,7 @@ import pytest
 from replica.kv_cache import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheManager
 from replica.request import Request, SamplingParams
 from router import BlockIndex
+from router.index import checkpoints
 
 from .chains import BLOCK_SIZE, chain, tokens
 
@@ -153,3 +154,26 @@ def test_mirrors_a_real_kv_cache_manager():
     assert index.match(chain(1, 2, 3, salt="s", seed=7)) == {"a": 1}
     assert index.match(chain(4, 5, 6, 7, seed=7)) == {"a": 4}
     assert index.num_blocks("a") == len(manager.cached_block_hashes()) == 5
+
+
+def test_bookings_count_until_unbooked_and_never_hide_stored_blocks():
+    index = BlockIndex()
+    booked = chain(*range(30))
+    index.book("a", booked)
+    index.book("a", booked)
+    index.apply("b", [stored(booked[:3])])
+    assert index.match(booked) == {"a": 30, "b": 3}
+    # a booked chain stands for the blocks it shares with the request, rounded down to a checkpoint:
+    # the first 8 blocks, then every 8th (depths 15, 23) and the last
+    assert checkpoints(30) == (0, 1, 2, 3, 4, 5, 6, 7, 15, 23, 29)
+    assert index.match(chain(*range(20), 99)) == {"a": 16, "b": 3}
+    assert index.match(chain(*range(5), 99)) == {"a": 5, "b": 3}
+    index.unbook("a", booked)
+    assert index.match(booked)["a"] == 30  # one booking left
+    index.apply("a", [stored(booked[:2])])
+    index.unbook("a", booked)
+    assert index.match(booked) == {"a": 2, "b": 3}
+    assert (index.num_blocks("a"), index.num_blocks("b")) == (2, 3)
+    index.remove_replica("b")
+    index.book("c", booked)  # takes b's freed bit
+    assert index.match(booked) == {"a": 2, "c": 30}

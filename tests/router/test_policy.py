@@ -2,78 +2,80 @@ import random
 
 import pytest
 
-from router import Candidate, PolicyConfig, ReplicaLoad, RoutingDecision, make_policy
+from router import Candidate, PolicyConfig, RequestShape, RoutingDecision, make_policy
+from router.policy import PrefixPolicy
+
+BLOCK = 16
+PROMPT = RequestShape(num_blocks=8, num_prompt_tokens=8 * BLOCK + 5, block_size=BLOCK)  # 133 tokens
 
 
-def prefix_policy(**config):
+def prefix_policy(**config) -> PrefixPolicy:
     return make_policy(PolicyConfig(**config), random.Random(0))
 
 
-def test_prefix_hit_wins_over_a_small_load_difference():
-    # a: 1.0 overlap - 3 * 0.05 = 0.85; b: 0 - 0 = 0
+def test_cost_adds_queued_prefill_uncached_tokens_steps_requests_and_risk():
+    policy = prefix_policy(step_token_budget=100, step_overhead_tokens=10, request_cost_tokens=3,
+                           memory_weight=2, preemption_cost_tokens=7)
+    idle = Candidate("a")
+    assert policy.cost(PROMPT, idle) == pytest.approx(2 * 133 + 1.33 * 10)  # more prefill than one step's budget
+    busy = Candidate("a", matched_blocks=2, num_requests=4, num_prefill_tokens_pending=200, num_free_blocks=3,
+                      recent_preemptions=1)
+    # prefill 200 + 101 over 96 decode room: 3.135 steps; 7 uncached blocks against 3 free: 4 short
+    assert policy.cost(PROMPT, busy) == pytest.approx(200 + 2 * 101 + 301 / 96 * 10 + 4 * 3 + 2 * 4 * BLOCK + 7)
+
+
+def test_a_full_hit_still_computes_the_last_prompt_token():
+    exact = RequestShape(num_blocks=2, num_prompt_tokens=2 * BLOCK, block_size=BLOCK)
+    assert (exact.num_uncached_tokens(2), exact.num_uncached_tokens(1), exact.num_uncached_tokens(0)) == (1, 16, 32)
+
+
+def test_prefix_hit_wins_over_a_few_requests():
+    # a: 2 * 5 uncached + 64 + 3 * 32 = 170; b: 2 * 133 + 64 = 330
     candidates = [Candidate("b"), Candidate("a", matched_blocks=8, num_requests=3)]
-    assert prefix_policy().choose(8, candidates) == RoutingDecision("a", 8, "prefix_hit")
+    assert prefix_policy().choose(PROMPT, candidates) == RoutingDecision("a", 8, "prefix_hit")
+    # with 9 requests a costs 362
+    candidates[1] = Candidate("a", matched_blocks=8, num_requests=9)
+    assert prefix_policy().choose(PROMPT, candidates) == RoutingDecision("b", 0, "spill")
 
 
 def test_longer_prefix_wins_between_equal_loads():
     candidates = [Candidate("a", matched_blocks=2, num_requests=1), Candidate("b", matched_blocks=6, num_requests=1)]
-    assert prefix_policy().choose(8, candidates) == RoutingDecision("b", 6, "prefix_hit")
+    assert prefix_policy().choose(PROMPT, candidates) == RoutingDecision("b", 6, "prefix_hit")
 
 
-def test_kv_pressure_outweighs_a_partial_prefix():
-    # a: 4/8 - (4 * 0.05 + 0.9 * 0.5) = -0.15; b: 0 - 0.05 = -0.05
-    candidates = [Candidate("a", matched_blocks=4, num_requests=4, kv_usage=0.9), Candidate("b", num_requests=1)]
-    assert prefix_policy().choose(8, candidates) == RoutingDecision("b", 0, "no_hit")
-    # with half the usage a keeps it: 0.5 - 0.2 - 0.225 = 0.075
-    candidates[0] = Candidate("a", matched_blocks=4, num_requests=4, kv_usage=0.45)
-    assert prefix_policy().choose(8, candidates) == RoutingDecision("a", 4, "prefix_hit")
+def test_queued_prefill_counts_in_tokens_not_requests():
+    # one 100k-token prompt still prefilling weighs more than four short decodes
+    prefilling = Candidate("a", num_requests=1, num_prefill_tokens_pending=100_000)
+    decoding = Candidate("b", num_requests=4)
+    assert prefix_policy().choose(PROMPT, [prefilling, decoding]) == RoutingDecision("b", 0, "no_hit")
+
+
+def test_a_replica_short_of_kv_blocks_pays_for_the_shortage():
+    # a saves 96 tokens but lacks 2 of its 3 blocks: 170 with 32 tokens of shortage against b's 330
+    short = Candidate("a", matched_blocks=6, num_free_blocks=1)
+    assert prefix_policy().choose(PROMPT, [short, Candidate("b", num_free_blocks=100)]).replica_id == "a"
+    assert prefix_policy(memory_weight=8).choose(
+        PROMPT, [short, Candidate("b", num_free_blocks=100)]) == RoutingDecision("b", 0, "spill")
 
 
 def test_recent_preemptions_flip_a_full_hit():
-    # 5 preemptions * 0.25 outweigh the whole prefix: 1.0 - 1.25 < 0
-    preempting = Candidate("a", matched_blocks=8, recent_preemptions=5)
-    assert prefix_policy().choose(8, [preempting, Candidate("b")]) == RoutingDecision("b", 0, "no_hit")
-    calm = Candidate("a", matched_blocks=8, recent_preemptions=3)
-    assert prefix_policy().choose(8, [calm, Candidate("b")]) == RoutingDecision("a", 8, "prefix_hit")
+    preempting = Candidate("a", matched_blocks=8, recent_preemptions=1)  # 10 + 64 + 512 > 330
+    assert prefix_policy().choose(PROMPT, [preempting, Candidate("b")]) == RoutingDecision("b", 0, "spill")
+    assert prefix_policy(preemption_cost_tokens=100).choose(
+        PROMPT, [preempting, Candidate("b")]) == RoutingDecision("a", 8, "prefix_hit")
 
 
-def test_no_hit_goes_to_the_least_pressured():
-    candidates = [Candidate("a", num_requests=3), Candidate("b", num_requests=1),
-                  Candidate("c", kv_usage=0.9)]  # c: 0.45 pressure against b's 0.05
-    assert prefix_policy().choose(8, candidates) == RoutingDecision("b", 0, "no_hit")
-
-
-def test_request_without_full_blocks_goes_to_the_least_pressured():
-    candidates = [Candidate("a", num_requests=2), Candidate("b", num_requests=1)]
-    assert prefix_policy().choose(0, candidates) == RoutingDecision("b", 0, "no_hit")
-
-
-def test_hot_prefix_spills_to_the_best_replica_that_is_not_too_busy():
-    # a: 10 outstanding, 9 above the least loaded (> 8) and more than 1.5x it
-    hot = Candidate("a", matched_blocks=8, num_requests=10)
-    candidates = [hot, Candidate("b", num_requests=2), Candidate("c", num_requests=1)]
-    assert prefix_policy().choose(8, candidates) == RoutingDecision("c", 0, "spill")
-    # among those not too busy, a partial prefix still counts
-    candidates[1] = Candidate("b", matched_blocks=4, num_requests=2)
-    assert prefix_policy().choose(8, candidates) == RoutingDecision("b", 4, "spill")
-
-
-def test_no_spill_within_either_threshold():
-    hot = Candidate("a", matched_blocks=8, num_requests=9)
-    # 8 above the least loaded is not more than spill_abs_threshold
-    assert prefix_policy().choose(8, [hot, Candidate("b", num_requests=1)]).outcome == "prefix_hit"
-    # 9 above, but 27 is not more than 1.5 * 18
-    assert prefix_policy().choose(
-        8, [Candidate("a", matched_blocks=8, num_requests=27), Candidate("b", num_requests=18)]
-    ) == RoutingDecision("a", 8, "prefix_hit")
-    assert prefix_policy(spill_abs_threshold=7).choose(8, [hot, Candidate("b", num_requests=1)]) == (
-        RoutingDecision("b", 0, "spill"))
+def test_equal_savings_go_to_the_less_loaded_then_to_fewer_cached_blocks():
+    candidates = [Candidate("a", matched_blocks=1, num_requests=2), Candidate("b", matched_blocks=1, num_requests=1)]
+    assert prefix_policy().choose(PROMPT, candidates) == RoutingDecision("b", 1, "prefix_hit")
+    candidates = [Candidate("a", num_cached_blocks=9), Candidate("b", num_cached_blocks=3), Candidate("c", num_cached_blocks=3)]
+    assert prefix_policy().choose(PROMPT, candidates) == RoutingDecision("b", 0, "no_hit")
 
 
 def test_round_robin_takes_candidates_in_turn():
     policy = make_policy(PolicyConfig(policy="round_robin"), random.Random(0))
     candidates = [Candidate("a", matched_blocks=8), Candidate("b"), Candidate("c")]
-    chosen = [policy.choose(8, candidates) for _ in range(4)]
+    chosen = [policy.choose(PROMPT, candidates) for _ in range(4)]
     assert [decision.replica_id for decision in chosen] == ["a", "b", "c", "a"]
     assert {decision.outcome for decision in chosen} == {"round_robin"}
     assert chosen[0].matched_blocks == 8
@@ -82,7 +84,7 @@ def test_round_robin_takes_candidates_in_turn():
 def test_least_loaded_picks_the_lighter_of_two_sampled():
     policy = make_policy(PolicyConfig(policy="least_loaded"), random.Random(0))
     candidates = [Candidate("a", num_requests=5), Candidate("b", num_requests=2)]
-    assert {policy.choose(8, candidates) for _ in range(10)} == {RoutingDecision("b", 0, "least_loaded")}
+    assert {policy.choose(PROMPT, candidates) for _ in range(10)} == {RoutingDecision("b", 0, "least_loaded")}
 
 
 def test_least_loaded_is_reproducible_with_a_seeded_rng():
@@ -90,26 +92,22 @@ def test_least_loaded_is_reproducible_with_a_seeded_rng():
 
     def run(seed: int) -> list[str]:
         policy = make_policy(PolicyConfig(policy="least_loaded"), random.Random(seed))
-        return [policy.choose(8, candidates).replica_id for _ in range(8)]
+        return [policy.choose(PROMPT, candidates).replica_id for _ in range(8)]
 
     assert run(0) == ["b", "b", "b", "b", "d", "b", "b", "b"]
     assert run(0) == run(0)
     assert "a" not in run(1) + run(2)  # the most loaded never wins a pair
     assert make_policy(PolicyConfig(policy="least_loaded"), random.Random(0)).choose(
-        8, [Candidate("only", num_requests=9)]) == RoutingDecision("only", 0, "least_loaded")
+        PROMPT, [Candidate("only", num_requests=9)]) == RoutingDecision("only", 0, "least_loaded")
 
 
-def test_bad_configuration_and_loads_raise_value_error():
+def test_bad_configuration_raises_value_error():
     with pytest.raises(ValueError, match="policy"):
         PolicyConfig(policy="random")
-    with pytest.raises(ValueError, match="spill_rel_threshold"):
-        PolicyConfig(spill_rel_threshold=0.5)
+    with pytest.raises(ValueError, match="step_token_budget"):
+        PolicyConfig(step_token_budget=0)
     with pytest.raises(ValueError, match="no_such_knob"):
         PolicyConfig(no_such_knob=1)
-    with pytest.raises(ValueError, match="kv_usage"):
-        ReplicaLoad(kv_usage=1.5)
-    with pytest.raises(ValueError, match="counts"):
-        ReplicaLoad(num_waiting=-1)
 
 
 def test_every_tunable_is_documented():

@@ -1,0 +1,270 @@
+"""Router: everything the router knows about its replicas, and the routing decisions made from it.
+
+No Ray: the router actor is a thin shell around one Router, and simulators and tests drive the
+same object. Per replica it keeps the blocks it caches (in the BlockIndex), the last event batch
+number applied, its last reported stats, its recent preemptions and the requests routed to it.
+Replicas number their event batches 1, 2, 3...; a batch that does not follow the last one applied
+(lost, repeated, or from a restarted or never seen replica) is refused and the replica resyncs.
+
+A routed request is booked on its replica: its blocks count as cached there, its prefill as
+queued there until the replica's own reports cover it, and it counts as outstanding until the
+replica reports it finished. A booking that does not run where it was routed (Serve picked
+another replica, the caller left) is rolled back.
+"""
+import random
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from replica.kv_cache import BlockHash, KVEvent
+from replica.scheduler import SchedulerStats
+from router.index import BlockIndex
+from router.messages import FinishedRequest, ReplicaSnapshot, RouterSnapshot, RoutingDecision
+from router.policy import Candidate, PolicyConfig, RequestShape, make_policy
+
+# A replica's report covers a request routed to it from its second report after the routing on:
+# the first may have been sent before the request arrived.
+_REPORTS_TO_COVER_A_BOOKING = 2
+
+
+class PreemptionWindow:
+    """Preemptions within the last window_s seconds, from a cumulative counter sampled at each report.
+
+    The oldest sample kept is the last one at or before the window's start: the baseline the
+    newest count is compared with.
+    """
+
+    def __init__(self, window_s: float):
+        self.window_s = window_s
+        self._samples: deque[tuple[float, int]] = deque()
+
+    def record(self, now: float, num_preemptions: int) -> None:
+        if self._samples and num_preemptions < self._samples[-1][1]:
+            self._samples.clear()  # the counter restarted with the replica
+        self._samples.append((now, num_preemptions))
+        self._forget_before(now)
+
+    def count(self, now: float) -> int:
+        self._forget_before(now)
+        return self._samples[-1][1] - self._samples[0][1] if self._samples else 0
+
+    def _forget_before(self, now: float) -> None:
+        start = now - self.window_s
+        while len(self._samples) > 1 and self._samples[1][0] <= start:
+            self._samples.popleft()
+
+
+@dataclass(slots=True, eq=False)
+class _Booking:
+    request_id: str
+    replica_id: str
+    block_hashes: Sequence[BlockHash]
+    num_prompt_tokens: int
+    num_uncached_tokens: int
+    routed_at: float
+    report_number: int  # the replica's number of reports when the request was routed
+    booked_blocks: bool  # its blocks count as cached on the replica
+    covered: bool = False  # the replica's reports count it
+
+
+@dataclass(slots=True)
+class _Replica:
+    preemptions: PreemptionWindow
+    snapshot: ReplicaSnapshot | None = None  # None until the first report
+    last_seq: int = 0
+    num_reports: int = 0
+    bookings: dict[str, _Booking] = field(default_factory=dict)
+    uncovered: deque[_Booking] = field(default_factory=deque)  # bookings its reports may not count yet
+    uncovered_tokens: int = 0
+    uncovered_blocks: int = 0
+
+    def add(self, booking: _Booking, block_size: int) -> None:
+        self.bookings[booking.request_id] = booking
+        self.uncovered.append(booking)
+        self._count_uncovered(booking, +1, block_size)
+
+    def remove(self, booking: _Booking, block_size: int) -> None:
+        del self.bookings[booking.request_id]
+        if not booking.covered:
+            booking.covered = True  # stays in the deque until reported past; counts no more
+            self._count_uncovered(booking, -1, block_size)
+
+    def reported(self, block_size: int) -> None:
+        self.num_reports += 1
+        while self.uncovered and self.num_reports - self.uncovered[0].report_number >= _REPORTS_TO_COVER_A_BOOKING:
+            booking = self.uncovered.popleft()
+            if not booking.covered:
+                booking.covered = True
+                self._count_uncovered(booking, -1, block_size)
+
+    def _count_uncovered(self, booking: _Booking, sign: int, block_size: int) -> None:
+        self.uncovered_tokens += sign * booking.num_uncached_tokens
+        self.uncovered_blocks += sign * -(-booking.num_uncached_tokens // block_size)
+
+    def candidate(self, replica_id: str, matched_blocks: int, num_cached_blocks: int, now: float) -> Candidate:
+        if self.snapshot is None:
+            return Candidate(replica_id, matched_blocks, len(self.bookings), self.uncovered_tokens,
+                             num_cached_blocks=num_cached_blocks)
+        stats = self.snapshot.stats
+        # Our bookings are fresher than the report for what we routed; the report also covers
+        # requests other routers sent. Each undercounts, so take the larger.
+        num_requests = max(stats.num_running + stats.num_waiting, len(self.bookings))
+        return Candidate(replica_id, matched_blocks, num_requests,
+                         stats.num_prefill_tokens_pending + self.uncovered_tokens,
+                         stats.num_free_blocks - self.uncovered_blocks, self.preemptions.count(now), num_cached_blocks)
+
+
+class Router:
+    def __init__(self, config: PolicyConfig | None = None, block_size: int = 16, *,
+                 clock: Callable[[], float] = time.monotonic, seed: int = 0):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.config = config = config or PolicyConfig()
+        self.block_size = block_size
+        self.index = BlockIndex()
+        self._clock = clock
+        self._policy = make_policy(config, random.Random(seed))
+        self._replicas: dict[str, _Replica] = {}
+        self._bookings: dict[str, _Booking] = {}  # by request id, oldest first
+        self._removed: set[str] = set()
+        self._decisions: Counter[str] = Counter()
+
+    def choose(self, request_id: str, block_hashes: Sequence[BlockHash], candidates: Sequence[str], *,
+               num_prompt_tokens: int | None = None, session_id: str | None = None) -> RoutingDecision:
+        """Pick the replica for a request with this block-hash chain and book the request on it.
+
+        num_prompt_tokens defaults to the chain's full blocks; routing the same request id again
+        (its first replica refused it) moves its booking. A session's turns share their history's
+        prefix, which the index already follows: session_id changes nothing yet.
+        """
+        if not candidates:
+            raise ValueError("no candidate replicas to route to")
+        full_block_tokens = len(block_hashes) * self.block_size
+        if num_prompt_tokens is None:
+            num_prompt_tokens = max(full_block_tokens, 1)
+        if num_prompt_tokens < max(full_block_tokens, 1):
+            raise ValueError(f"num_prompt_tokens={num_prompt_tokens} is fewer than the chain's "
+                             f"{len(block_hashes)} full blocks of {self.block_size} tokens")
+        now = self._clock()
+        self._expire_bookings(now)
+        self.release(request_id)
+        request = RequestShape(len(block_hashes), num_prompt_tokens, self.block_size)
+        matched = self.index.match(block_hashes)
+        decision = self._policy.choose(request, [
+            self._candidate(replica_id, matched.get(replica_id, 0), now) for replica_id in candidates])
+        self._book(request_id, decision, request, block_hashes, now)
+        self._decisions[decision.outcome] += 1
+        return decision
+
+    def routed(self, request_id: str, replica_id: str) -> None:
+        """The request went to replica_id after all (Serve's second choice): move its booking there."""
+        booking = self._bookings.get(request_id)
+        if booking is None or booking.replica_id == replica_id:
+            return
+        self.release(request_id)
+        request = RequestShape(len(booking.block_hashes), booking.num_prompt_tokens, self.block_size)
+        matched_blocks = self.index.match(booking.block_hashes).get(replica_id, 0)
+        decision = RoutingDecision(replica_id, matched_blocks, "fallback")
+        self._book(request_id, decision, request, booking.block_hashes, booking.routed_at)
+
+    def release(self, request_id: str) -> None:
+        """The request ended without reaching its replica: roll its booking back. Unknown ids are ignored."""
+        booking = self._bookings.pop(request_id, None)
+        if booking is None:
+            return
+        if booking.booked_blocks:
+            self.index.unbook(booking.replica_id, booking.block_hashes)
+        replica = self._replicas.get(booking.replica_id)
+        if replica is not None:
+            replica.remove(booking, self.block_size)
+
+    def publish(self, replica_id: str, seq: int, events: list[KVEvent], stats: SchedulerStats,
+                finished: list[FinishedRequest]) -> bool:
+        """Apply a replica's next event batch; False (no events applied) means: resync it."""
+        if replica_id in self._removed:
+            return True  # a replica on its way out; it stays forgotten
+        replica = self._replicas.get(replica_id)
+        self._report(replica_id, stats, finished)
+        if seq != (replica.last_seq if replica else 0) + 1:
+            return False
+        self.index.apply(replica_id, events)
+        self._replicas[replica_id].last_seq = seq
+        return True
+
+    def resync(self, replica_id: str, seq: int, block_hashes: list[BlockHash], stats: SchedulerStats,
+               finished: list[FinishedRequest]) -> None:
+        """Replace a replica's cached blocks with a full list; its next batch is expected as seq + 1."""
+        if replica_id in self._removed:
+            return
+        self._report(replica_id, stats, finished)
+        self.index.resync(replica_id, block_hashes)
+        self._replicas[replica_id].last_seq = seq
+
+    def remove_replica(self, replica_id: str) -> None:
+        self._removed.add(replica_id)
+        replica = self._replicas.pop(replica_id, None)
+        if replica is not None:
+            for request_id in replica.bookings:
+                del self._bookings[request_id]
+        self.index.remove_replica(replica_id)
+
+    def num_in_flight(self, replica_id: str) -> int:
+        """Requests routed to the replica and not finished yet."""
+        replica = self._replicas.get(replica_id)
+        return len(replica.bookings) if replica else 0
+
+    def snapshot(self) -> RouterSnapshot:
+        replicas = {}
+        for replica_id, replica in self._replicas.items():
+            if replica.snapshot is not None:
+                replica.snapshot.index_blocks = self.index.num_blocks(replica_id)
+                replica.snapshot.num_in_flight = len(replica.bookings)
+                replicas[replica_id] = replica.snapshot
+        return RouterSnapshot(self.config.policy, replicas, dict(self._decisions))
+
+    def _candidate(self, replica_id: str, matched_blocks: int, now: float) -> Candidate:
+        replica = self._replicas.get(replica_id)
+        if replica is None:
+            return Candidate(replica_id, matched_blocks)
+        return replica.candidate(replica_id, matched_blocks, self.index.num_blocks(replica_id), now)
+
+    def _book(self, request_id: str, decision: RoutingDecision, request: RequestShape,
+              block_hashes: Sequence[BlockHash], now: float) -> None:
+        replica = self._replica(decision.replica_id)
+        booking = _Booking(request_id, decision.replica_id, block_hashes, request.num_prompt_tokens,
+                           request.num_uncached_tokens(decision.matched_blocks), now, replica.num_reports,
+                           booked_blocks=self.config.assume_routed_prefix_cached)
+        if booking.booked_blocks:
+            self.index.book(decision.replica_id, block_hashes)
+        replica.add(booking, self.block_size)
+        self._bookings[request_id] = booking
+
+    def _expire_bookings(self, now: float) -> None:
+        while self._bookings:
+            booking = next(iter(self._bookings.values()))
+            if now - booking.routed_at < self.config.booking_ttl_s:
+                return
+            self.release(booking.request_id)
+
+    def _report(self, replica_id: str, stats: SchedulerStats, finished: list[FinishedRequest]) -> None:
+        replica = self._replica(replica_id)
+        replica.reported(self.block_size)
+        replica.preemptions.record(self._clock(), stats.num_preemptions)
+        if replica.snapshot is None:
+            replica.snapshot = ReplicaSnapshot(stats)
+        replica.snapshot.stats = stats
+        for request in finished:
+            booking = self._bookings.get(request.request_id)
+            if booking is None or booking.replica_id != replica_id:
+                continue  # routed without asking us (fallback), or already forgotten
+            self.release(request.request_id)
+            if request.num_cached_tokens is not None:
+                replica.snapshot.predicted_cached_tokens += booking.num_prompt_tokens - booking.num_uncached_tokens
+                replica.snapshot.actual_cached_tokens += request.num_cached_tokens
+
+    def _replica(self, replica_id: str) -> _Replica:
+        replica = self._replicas.get(replica_id)
+        if replica is None:
+            replica = self._replicas[replica_id] = _Replica(PreemptionWindow(self.config.preemption_window_s))
+        return replica

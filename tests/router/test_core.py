@@ -1,0 +1,295 @@
+import gc
+
+import pytest
+
+from replica.kv_cache import AllBlocksCleared, BlockStored
+from replica.scheduler import SchedulerStats
+from router import FinishedRequest, PolicyConfig, Router, RoutingDecision
+
+from .chains import BLOCK_SIZE, chain
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def stored(block_hashes) -> BlockStored:
+    return BlockStored(list(block_hashes), None, [], BLOCK_SIZE)
+
+
+def stats(num_running: int = 0, num_waiting: int = 0, num_preemptions: int = 0, pending: int = 0,
+          free_blocks: int = 1000) -> SchedulerStats:
+    return SchedulerStats(num_running=num_running, num_waiting=num_waiting, kv_usage=0.0,
+                          num_preemptions=num_preemptions, prefix_cache_queries=0, prefix_cache_hits=0,
+                          num_prefill_tokens_pending=pending, num_free_blocks=free_blocks)
+
+
+def make_router(clock: FakeClock | None = None, seed: int = 0, **config) -> Router:
+    return Router(PolicyConfig(**config), BLOCK_SIZE, clock=clock or FakeClock(), seed=seed)
+
+
+def publish(router: Router, replica_id: str, seq: int, events=(), finished=(), **load) -> bool:
+    return router.publish(replica_id, seq, list(events), stats(**load), list(finished))
+
+
+class Requests:
+    """Distinct request ids."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self) -> str:
+        self.count += 1
+        return f"r{self.count}"
+
+
+def test_batches_apply_in_sequence_from_one():
+    router = make_router()
+    assert publish(router, "a", 1, [stored(chain(1, 2))])
+    assert publish(router, "a", 2, [stored(chain(1, 2, 3)[2:])])
+    assert router.index.match(chain(1, 2, 3)) == {"a": 3}
+
+
+def test_gap_is_refused_until_a_resync():
+    router = make_router()
+    assert publish(router, "a", 1, [stored(chain(1))], num_running=1)
+    assert not publish(router, "a", 3, [AllBlocksCleared()], num_running=1)
+    assert not publish(router, "a", 1, [AllBlocksCleared()], num_running=1)  # a repeated batch too
+    assert router.index.match(chain(1)) == {"a": 1}  # the refused batches changed no block
+    assert router.choose("r1", chain(5), ["a", "b"]).replica_id == "b"  # a still counts its running request
+
+    router.resync("a", 3, chain(7, 8), stats(), [])
+    assert router.index.match(chain(1)) == {}
+    assert router.index.match(chain(7, 8)) == {"a": 2}
+    assert not publish(router, "a", 3)
+    assert publish(router, "a", 4, [stored(chain(1))])
+    assert router.index.num_blocks("a") == 3
+
+
+def test_unknown_replica_needs_a_resync_unless_it_starts_at_one():
+    router = make_router()
+    assert not publish(router, "late", 5, [stored(chain(1))])
+    assert router.index.num_blocks("late") == 0
+    assert publish(router, "new", 1, [stored(chain(1))])
+    assert router.index.match(chain(1)) == {"new": 1}
+
+
+def test_prefix_hit_wins_and_books_the_request_until_it_finishes():
+    router = make_router()
+    publish(router, "a", 1, [stored(chain(*range(40)))], num_running=1)
+    publish(router, "b", 1)
+    assert router.choose("r1", chain(*range(41)), ["b", "a"]) == RoutingDecision("a", 40, "prefix_hit")
+    assert (router.num_in_flight("a"), router.num_in_flight("b")) == (1, 0)
+    publish(router, "a", 2, finished=[FinishedRequest("r1", 16)])
+    publish(router, "a", 3, finished=[FinishedRequest("r1", 16)])  # a repeated finish changes nothing
+    assert router.num_in_flight("a") == 0
+    replica = router.snapshot().replicas["a"]
+    assert (replica.predicted_cached_tokens, replica.actual_cached_tokens) == (160, 16)
+
+
+def test_no_hit_alternates_and_bookings_count_before_reports():
+    router = make_router(assume_routed_prefix_cached=False)
+    for replica_id in "ab":
+        publish(router, replica_id, 1)
+    picks = [router.choose(f"r{i}", chain(1, 2), ["a", "b"]) for i in range(4)]
+    assert [decision.replica_id for decision in picks] == ["a", "b", "a", "b"]
+    assert {decision.outcome for decision in picks} == {"no_hit"}
+    # a report of more requests than we booked (another router's) wins over our count
+    publish(router, "a", 2, num_running=1, num_waiting=4)
+    assert router.choose("r5", chain(1, 2), ["a", "b"]).replica_id == "b"
+
+
+def test_a_burst_follows_the_first_request_before_the_replica_reports():
+    router = make_router()
+    first = router.choose("r1", chain(*range(40)), ["a", "b"])
+    second = router.choose("r2", chain(*range(41)), ["a", "b"])
+    assert (first, second) == (RoutingDecision("a", 0, "no_hit"), RoutingDecision("a", 40, "prefix_hit"))
+
+
+def test_routed_prefill_counts_as_queued_until_the_replica_reports_it():
+    router = make_router(request_cost_tokens=0, step_overhead_tokens=0)
+    publish(router, "a", 1, [stored(chain(1, 2))])
+    publish(router, "b", 1)
+    # 24 tokens each, the first 8 cached on a (or booked on b once a request went there); uncached
+    # tokens cost 2: a: 32; then 16 queued + 32 against b's 48, equal, to the one with fewer requests;
+    # then 16 + 32 against 24 queued + 32
+    decisions = [router.choose(f"r{i}", chain(1, 2, 10 + i, 20 + i, 30 + i, 40 + i), ["a", "b"]) for i in range(3)]
+    assert [decision.replica_id for decision in decisions] == ["a", "b", "a"]
+    assert router.choose("r8", chain(1, 2, 8), ["a", "b"]).replica_id == "b"  # 32 + 8 against 24 + 8
+    # two reports later a's own count (nothing pending) replaces what we routed there
+    publish(router, "a", 2)
+    publish(router, "a", 3)
+    assert router.choose("r9", chain(1, 2, 9), ["a", "b"]).replica_id == "a"
+
+
+def test_hot_prefix_spreads_once_its_replica_is_loaded_then_both_serve_it():
+    router = make_router()
+    publish(router, "a", 1, [stored(chain(1, 2, 3, 4))])
+    publish(router, "b", 1)
+    decisions = [router.choose(f"r{i}", chain(1, 2, 3, 4), ["a", "b"]) for i in range(4)]
+    # a saves 30 (15 tokens), but a second request there costs 32; b then has 16 tokens queued
+    assert [(decision.replica_id, decision.outcome) for decision in decisions] == [
+        ("a", "prefix_hit"), ("b", "spill"), ("a", "prefix_hit"), ("b", "prefix_hit")]
+    assert router.index.match(chain(1, 2, 3, 4)) == {"a": 4, "b": 4}
+
+
+def test_a_shared_first_block_does_not_pin_light_load_to_one_replica():
+    router = make_router()
+    for replica_id in "ab":
+        router.resync(replica_id, 1, [], stats(), [])
+    new_request = Requests()
+    # every request starts with the same system-prompt block, then its own text
+    decisions = [router.choose(new_request(), chain(1, 100 + i, 200 + i), ["a", "b"]) for i in range(10)]
+    assert [decision.replica_id for decision in decisions].count("a") == 5
+    assert [decision.matched_blocks for decision in decisions] == [0, 0] + [1] * 8
+
+
+def test_a_booking_that_does_not_run_where_routed_is_rolled_back():
+    router = make_router()
+    publish(router, "a", 1)
+    publish(router, "b", 1)
+    assert router.choose("r1", chain(1, 2, 3), ["a", "b"]).replica_id == "a"
+    router.routed("r1", "b")  # Serve's second tier sent it to b
+    assert router.index.match(chain(1, 2, 3)) == {"b": 3}
+    assert (router.num_in_flight("a"), router.num_in_flight("b")) == (0, 1)
+    publish(router, "b", 2, finished=[FinishedRequest("r1", None)])  # b never scheduled it
+    assert router.index.match(chain(1, 2, 3)) == {}
+    assert router.choose("r2", chain(7), ["a", "b"]).replica_id == "a"
+    router.release("r2")  # the caller left before it reached a replica
+    assert router.index.match(chain(7)) == {}
+    assert router.num_in_flight("a") == 0
+
+
+def test_a_stored_block_outlives_the_booking_that_predicted_it():
+    router = make_router()
+    router.choose("r1", chain(1, 2), ["a"])
+    publish(router, "a", 1, [stored(chain(1, 2))], finished=[FinishedRequest("r1", 0)])
+    assert router.index.match(chain(1, 2)) == {"a": 2}
+    assert router.index.num_blocks("a") == 2
+
+
+def test_routing_a_request_again_moves_its_booking():
+    router = make_router()
+    router.choose("r1", chain(1, 2), ["a"])
+    assert router.choose("r1", chain(1, 2), ["b"]) == RoutingDecision("b", 0, "no_hit")
+    assert router.index.match(chain(1, 2)) == {"b": 2}
+    assert (router.num_in_flight("a"), router.num_in_flight("b")) == (0, 1)
+
+
+def test_bookings_whose_finish_never_comes_expire():
+    clock = FakeClock()
+    router = make_router(clock, booking_ttl_s=60.0)
+    router.choose("r1", chain(1), ["a"])
+    clock.now = 59.0
+    router.choose("r2", chain(2), ["a"])
+    clock.now = 61.0
+    router.choose("r3", chain(3), ["b"])
+    assert (router.num_in_flight("a"), router.index.match(chain(1)), router.index.match(chain(2))) == (
+        1, {}, {"a": 1})
+
+
+def test_preemptions_within_the_window_turn_requests_away():
+    clock = FakeClock()
+    router = make_router(clock, preemption_window_s=10.0, assume_routed_prefix_cached=False)
+    publish(router, "a", 1, [stored(chain(*range(1, 41)))], num_preemptions=40)  # old preemptions
+    publish(router, "b", 1)
+    long_chain = chain(*range(1, 41))  # 160 tokens: a saves 159
+    assert router.choose("r1", long_chain, ["a", "b"]).outcome == "prefix_hit"
+    router.release("r1")
+
+    clock.now = 1.0
+    publish(router, "a", 2, num_preemptions=41)  # 1 new: 512 > the hit's savings
+    assert router.choose("r2", long_chain, ["a", "b"]) == RoutingDecision("b", 0, "spill")
+    router.release("r2")
+
+    clock.now = 10.5  # it happened between t=0 and t=1, possibly within the window
+    assert router.choose("r3", long_chain, ["a", "b"]).replica_id == "b"
+    router.release("r3")
+    clock.now = 11.5  # older than the window now
+    assert router.choose("r4", long_chain, ["a", "b"]) == RoutingDecision("a", 40, "prefix_hit")
+
+
+def test_preemptions_count_from_a_restarted_counter():
+    clock = FakeClock()
+    router = make_router(clock)
+    publish(router, "a", 1, num_preemptions=100)
+    publish(router, "b", 1, num_running=1)
+    clock.now = 1.0
+    router.resync("a", 1, [], stats(num_preemptions=2), [])  # restarted: its counter began again
+    assert router.choose("r1", chain(1), ["a", "b"]).replica_id == "a"
+    router.release("r1")
+    clock.now = 2.0
+    publish(router, "a", 2, num_preemptions=7)  # 5 since the restart
+    assert router.choose("r2", chain(2), ["a", "b"]) == RoutingDecision("b", 0, "no_hit")
+
+
+def test_remove_replica_forgets_everything_about_it():
+    router = make_router()
+    publish(router, "a", 1, [stored(chain(1, 2))], num_running=5)
+    router.choose("r1", chain(1, 2), ["a"])
+    router.remove_replica("a")
+    router.release("r1")  # a request finishing after its replica left
+    assert router.index.match(chain(1, 2)) == {}
+    assert router.num_in_flight("a") == 0
+    assert publish(router, "a", 2, [stored(chain(3))])  # a replica on its way out stays forgotten
+    assert router.index.match(chain(3)) == {}
+    assert "a" not in router.snapshot().replicas
+    router.remove_replica("never-seen")
+
+
+def test_candidates_never_reported_count_as_idle():
+    router = make_router()
+    publish(router, "a", 1, num_running=2)
+    assert router.choose("r1", chain(1), ["a", "fresh"]) == RoutingDecision("fresh", 0, "no_hit")
+
+
+def test_baseline_policies_through_the_router():
+    round_robin = make_router(policy="round_robin")
+    assert [round_robin.choose(f"r{i}", chain(1), ["a", "b", "c"]).replica_id for i in range(4)] == [
+        "a", "b", "c", "a"]
+    least_loaded = make_router(policy="least_loaded")
+    publish(least_loaded, "a", 1, num_waiting=3)
+    assert least_loaded.choose("r1", chain(1), ["a", "b"]) == RoutingDecision("b", 0, "least_loaded")
+
+
+def test_least_loaded_is_reproducible_from_the_seed():
+    def run(seed: int) -> list[str]:
+        router = make_router(seed=seed, policy="least_loaded", assume_routed_prefix_cached=False)
+        return [router.choose(f"r{i}", chain(i), ["a", "b", "c", "d"]).replica_id for i in range(12)]
+
+    assert run(3) == run(3)
+    assert run(3) != run(4)
+
+
+def test_snapshot_counts_decisions_and_bookings():
+    router = make_router()
+    publish(router, "a", 1, [stored(chain(1))])
+    router.choose("r1", chain(1, 2), ["a"])
+    router.choose("r2", chain(5), ["a"])
+    snapshot = router.snapshot()
+    assert (snapshot.policy, snapshot.decisions) == ("prefix", {"prefix_hit": 1, "no_hit": 1})
+    assert (snapshot.replicas["a"].index_blocks, snapshot.replicas["a"].num_in_flight) == (1, 2)
+
+
+def test_bad_requests_raise_value_error():
+    with pytest.raises(ValueError, match="no candidate"):
+        make_router().choose("r1", chain(1), [])
+    with pytest.raises(ValueError, match="num_prompt_tokens"):
+        make_router().choose("r1", chain(1, 2), ["a"], num_prompt_tokens=5)
+    with pytest.raises(ValueError, match="block_size"):
+        Router(PolicyConfig(), 0)
+
+
+def test_the_index_holds_no_container_per_cached_block():
+    router = make_router()
+    gc.collect()
+    tracked_before = len(gc.get_objects())
+    publish(router, "a", 1, [stored(chain(*range(5000)))])
+    publish(router, "b", 1, [stored(chain(*range(5000)))])
+    gc.collect()
+    assert len(gc.get_objects()) - tracked_before < 50
+    assert router.index.match(chain(*range(5000)))["b"] == 5000
