@@ -5,8 +5,8 @@ N replicas (4, 16, 64 by default) each caching --blocks blocks of 16 tokens: 8k-
 512-block chains: a quarter a whole cached chain, a quarter a cached chain diverging at a random
 block, a quarter a system prompt followed by new blocks, a quarter all new. Every decision goes
 through Router.choose() (match, cost model, booking); after every 8 decisions one replica
-publishes a batch of 100 KV events (50 blocks stored, 50 evicted) that also finishes the requests
-routed to it. The router is warmed up the way the actor is (gc.freeze() after the initial sync).
+publishes a batch of 100 KV events (50 blocks stored, 50 evicted, one event each), then a batch
+that finishes the requests routed to it since (releasing their bookings). The router is warmed up the way the actor is (gc.freeze() after the initial sync).
 
 Baseline, same process: the membership scan any router could write without an index, counting
 each replica's leading blocks with `for h in chain: if h not in held: break`. Times are wall
@@ -29,14 +29,14 @@ from router import FinishedRequest, PolicyConfig, Router
 BLOCK_SIZE = 16
 CHAIN_BLOCKS = 512
 SYSTEM_BLOCKS = 64
-VOCAB = 49152
+TOKEN_IDS = range(49152)
 SYSTEMS = [[system] * SYSTEM_BLOCKS * BLOCK_SIZE for system in range(8)]
 EVENTS_PER_BATCH = 100
 DECISIONS_PER_BATCH = 8
 
 
 def random_tokens(rng: random.Random, num_blocks: int) -> list[int]:
-    return [rng.randrange(VOCAB) for _ in range(num_blocks * BLOCK_SIZE)]
+    return rng.choices(TOKEN_IDS, k=num_blocks * BLOCK_SIZE)
 
 
 def new_chain(rng: random.Random) -> list[bytes]:
@@ -157,7 +157,7 @@ def run(num_replicas: int, blocks: int, num_requests: int) -> dict[str, list[flo
     gc.freeze()  # warm-up done, as in the router actor
     pauses = PauseClock()
     gc.callbacks.append(pauses)
-    samples: dict[str, list[float]] = {"scan": [], "match": [], "choose": [], "batch": []}
+    samples: dict[str, list[float]] = {"scan": [], "match": [], "choose": [], "event batch": [], "finish batch": []}
     routed: dict[str, list[FinishedRequest]] = {replica_id: [] for replica_id in replica_ids}
     try:
         for number, chain in enumerate(requests):
@@ -168,16 +168,19 @@ def run(num_replicas: int, blocks: int, num_requests: int) -> dict[str, list[flo
             routed[decision.replica_id].append(FinishedRequest(f"req-{number}", 0))
             if number % DECISIONS_PER_BATCH == DECISIONS_PER_BATCH - 1:
                 replica_id = rng.choice(replica_ids)
-                cluster.seq[replica_id] += 1
-                seconds, _ = timed(router.publish, replica_id, cluster.seq[replica_id],
-                                   cluster.event_batch(replica_id), stats(rng), routed[replica_id])
-                samples["batch"].append(seconds)
+                samples["event batch"].append(publish(router, cluster, replica_id, cluster.event_batch(replica_id), []))
+                samples["finish batch"].append(publish(router, cluster, replica_id, [], routed[replica_id]))
                 routed[replica_id] = []
     finally:
         gc.callbacks.remove(pauses)
         gc.unfreeze()
     samples["gc pause"] = pauses.pauses or [0.0]
     return samples
+
+
+def publish(router: Router, cluster: Cluster, replica_id: str, events: list, finished: list) -> float:
+    cluster.seq[replica_id] += 1
+    return timed(router.publish, replica_id, cluster.seq[replica_id], events, stats(cluster.rng), finished)[0]
 
 
 def quantile(values: list[float], q: int) -> float:

@@ -62,9 +62,10 @@ class _Booking:
     block_hashes: Sequence[BlockHash]
     num_prompt_tokens: int
     num_uncached_tokens: int
+    num_uncached_blocks: int
     routed_at: float
     report_number: int  # the replica's number of reports when the request was routed
-    booked_blocks: bool  # its blocks count as cached on the replica
+    booked_from: int | None  # its blocks from here on count as cached on the replica; None: not booked
     covered: bool = False  # the replica's reports count it
 
 
@@ -79,28 +80,28 @@ class _Replica:
     uncovered_tokens: int = 0
     uncovered_blocks: int = 0
 
-    def add(self, booking: _Booking, block_size: int) -> None:
+    def add(self, booking: _Booking) -> None:
         self.bookings[booking.request_id] = booking
         self.uncovered.append(booking)
-        self._count_uncovered(booking, +1, block_size)
+        self._count_uncovered(booking, +1)
 
-    def remove(self, booking: _Booking, block_size: int) -> None:
+    def remove(self, booking: _Booking) -> None:
         del self.bookings[booking.request_id]
-        if not booking.covered:
-            booking.covered = True  # stays in the deque until reported past; counts no more
-            self._count_uncovered(booking, -1, block_size)
+        self._cover(booking)  # it stays in the deque until reported past, counting no more
 
-    def reported(self, block_size: int) -> None:
+    def reported(self) -> None:
         self.num_reports += 1
         while self.uncovered and self.num_reports - self.uncovered[0].report_number >= _REPORTS_TO_COVER_A_BOOKING:
-            booking = self.uncovered.popleft()
-            if not booking.covered:
-                booking.covered = True
-                self._count_uncovered(booking, -1, block_size)
+            self._cover(self.uncovered.popleft())
 
-    def _count_uncovered(self, booking: _Booking, sign: int, block_size: int) -> None:
+    def _cover(self, booking: _Booking) -> None:
+        if not booking.covered:
+            booking.covered = True
+            self._count_uncovered(booking, -1)
+
+    def _count_uncovered(self, booking: _Booking, sign: int) -> None:
         self.uncovered_tokens += sign * booking.num_uncached_tokens
-        self.uncovered_blocks += sign * -(-booking.num_uncached_tokens // block_size)
+        self.uncovered_blocks += sign * booking.num_uncached_blocks
 
     def candidate(self, replica_id: str, matched_blocks: int, num_cached_blocks: int, now: float) -> Candidate:
         if self.snapshot is None:
@@ -173,11 +174,11 @@ class Router:
         booking = self._bookings.pop(request_id, None)
         if booking is None:
             return
-        if booking.booked_blocks:
-            self.index.unbook(booking.replica_id, booking.block_hashes)
+        if booking.booked_from is not None:
+            self.index.unbook(booking.replica_id, booking.block_hashes, booking.booked_from)
         replica = self._replicas.get(booking.replica_id)
         if replica is not None:
-            replica.remove(booking, self.block_size)
+            replica.remove(booking)
 
     def publish(self, replica_id: str, seq: int, events: list[KVEvent], stats: SchedulerStats,
                 finished: list[FinishedRequest]) -> bool:
@@ -232,12 +233,13 @@ class Router:
     def _book(self, request_id: str, decision: RoutingDecision, request: RequestShape,
               block_hashes: Sequence[BlockHash], now: float) -> None:
         replica = self._replica(decision.replica_id)
-        booking = _Booking(request_id, decision.replica_id, block_hashes, request.num_prompt_tokens,
-                           request.num_uncached_tokens(decision.matched_blocks), now, replica.num_reports,
-                           booked_blocks=self.config.assume_routed_prefix_cached)
-        if booking.booked_blocks:
-            self.index.book(decision.replica_id, block_hashes)
-        replica.add(booking, self.block_size)
+        booked_from = decision.matched_blocks if self.config.assume_routed_prefix_cached else None
+        uncached = request.num_uncached_tokens(decision.matched_blocks)
+        booking = _Booking(request_id, decision.replica_id, block_hashes, request.num_prompt_tokens, uncached,
+                           -(-uncached // self.block_size), now, replica.num_reports, booked_from)
+        if booked_from is not None:
+            self.index.book(decision.replica_id, block_hashes, booked_from)
+        replica.add(booking)
         self._bookings[request_id] = booking
 
     def _expire_bookings(self, now: float) -> None:
@@ -249,7 +251,7 @@ class Router:
 
     def _report(self, replica_id: str, stats: SchedulerStats, finished: list[FinishedRequest]) -> None:
         replica = self._replica(replica_id)
-        replica.reported(self.block_size)
+        replica.reported()
         replica.preemptions.record(self._clock(), stats.num_preemptions)
         if replica.snapshot is None:
             replica.snapshot = ReplicaSnapshot(stats)

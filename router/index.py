@@ -6,12 +6,14 @@ the hashes' bytes and values ints: no container per block, so the garbage collec
 the index.
 
 Bookings (blocks a request routed to a replica will compute there, until it finishes) are kept
-apart, at checkpoints only: the first 8 blocks of the chain, every 8th block after them and the
-last. Hashes are chained, so a request whose block k has the hash of a booked chain's block k
-shares all k + 1 leading blocks with it: a booked checkpoint stands for every block before it.
-Booking a long prompt then costs one entry per 8 blocks, and a booked match is rounded down to a
-checkpoint, which the replica's own BlockStored events soon make exact.
+apart, at checkpoints only: the first 8 blocks of the chain, every 16th block after them and the
+last, from where the replica's match ended. Hashes are chained, so a request whose block k has
+the hash of a booked chain's block k shares all k + 1 leading blocks with it: one booked
+checkpoint stands for every block before it. Booking a long prompt then costs one entry per 16
+blocks, and a booked match is rounded down to a checkpoint, which the replica's own BlockStored
+events soon make exact.
 """
+import bisect
 import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -19,7 +21,7 @@ from dataclasses import dataclass, field
 from replica.kv_cache import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
 
 _DENSE_CHECKPOINTS = 8
-_CHECKPOINT_STRIDE = 8
+_CHECKPOINT_STRIDE = 16
 
 
 @functools.cache
@@ -30,6 +32,11 @@ def checkpoints(num_blocks: int) -> tuple[int, ...]:
     if num_blocks and depths[-1] != num_blocks - 1:
         depths.append(num_blocks - 1)
     return tuple(depths)
+
+
+def _checkpoints_from(num_blocks: int, start: int) -> tuple[int, ...]:
+    depths = checkpoints(num_blocks)
+    return depths[bisect.bisect_left(depths, start):] if start else depths
 
 
 @dataclass(slots=True)
@@ -49,40 +56,45 @@ class BlockIndex:
     def apply(self, replica_id: str, events: Iterable[KVEvent]) -> None:
         """Mirror a replica's KV events in order; a replica not seen before is created."""
         replica = self._replica(replica_id)
+        stored, holders, bit = replica.stored, self._stored, 1 << replica.bit
         for event in events:
-            match event:
-                case BlockStored():
-                    self._store(replica, event.block_hashes)
-                case BlockRemoved():
-                    self._unstore(replica, event.block_hashes)
-                case AllBlocksCleared():
-                    self._unstore(replica, list(replica.stored))
-                case _:
-                    raise TypeError(f"not a KV event: {event!r}")
+            kind = type(event)
+            if kind is BlockStored:  # the common case, inlined: a step stores a block per running request
+                for block_hash in event.block_hashes:
+                    if block_hash not in stored:
+                        stored[block_hash] = None
+                        holders[block_hash] = holders.get(block_hash, 0) | bit
+            elif kind is BlockRemoved:
+                self._unstore(replica, event.block_hashes)
+            elif kind is AllBlocksCleared:
+                self._unstore(replica, list(stored))
+            else:
+                raise TypeError(f"not a KV event: {event!r}")
 
     def resync(self, replica_id: str, block_hashes: Iterable[BlockHash]) -> None:
         """Replace what the replica is known to store with its full list of hashes; bookings stay."""
-        replica = self._replica(replica_id)
-        self._unstore(replica, list(replica.stored))
-        self._store(replica, block_hashes)
+        self.apply(replica_id, [AllBlocksCleared(), BlockStored(list(block_hashes), None, [], 0)])
 
-    def book(self, replica_id: str, block_hashes: Sequence[BlockHash]) -> None:
-        """Count the chain as held by the replica until unbook(): a request routed there computes it."""
+    def book(self, replica_id: str, block_hashes: Sequence[BlockHash], start: int = 0) -> None:
+        """Count the chain as held by the replica until unbook(): a request routed there computes it.
+
+        Checkpoints before `start` (blocks the replica already holds) are left out; unbook() the same.
+        """
         replica = self._replica(replica_id)
         booked, holders, bit = replica.booked, self._booked, 1 << replica.bit
-        for depth in checkpoints(len(block_hashes)):
+        for depth in _checkpoints_from(len(block_hashes), start):
             block_hash = block_hashes[depth]
             count = booked.get(block_hash, 0)
             booked[block_hash] = count + 1
             if not count:
                 holders[block_hash] = holders.get(block_hash, 0) | bit
 
-    def unbook(self, replica_id: str, block_hashes: Sequence[BlockHash]) -> None:
+    def unbook(self, replica_id: str, block_hashes: Sequence[BlockHash], start: int = 0) -> None:
         replica = self._replicas.get(replica_id)
         if replica is None:
             return
         booked, mask = replica.booked, ~(1 << replica.bit)
-        for depth in checkpoints(len(block_hashes)):
+        for depth in _checkpoints_from(len(block_hashes), start):
             block_hash = block_hashes[depth]
             count = booked.get(block_hash, 0)
             if count > 1:
@@ -129,16 +141,13 @@ class BlockIndex:
         self._record(matched, alive, len(block_hashes))
 
     def _match_booked(self, block_hashes: Sequence[BlockHash], matched: dict[str, int]) -> None:
-        booked, alive, num_leading = self._booked, 0, 0
-        for depth in checkpoints(len(block_hashes)):
-            held = booked.get(block_hashes[depth], 0)
-            if held != alive:  # a checkpoint stands for the blocks before it: replicas only drop out
-                self._record(matched, alive & ~held, num_leading, keep_longer=True)
-                alive = held
-            if not alive:
-                return
-            num_leading = depth + 1
-        self._record(matched, alive, num_leading, keep_longer=True)
+        """Deepest checkpoint first: a replica's deepest booked checkpoint is its booked match."""
+        booked, seen = self._booked, 0
+        for depth in reversed(checkpoints(len(block_hashes))):
+            held = booked.get(block_hashes[depth], 0) & ~seen
+            if held:
+                self._record(matched, held, depth + 1, keep_longer=True)
+                seen |= held
 
     def _replica(self, replica_id: str) -> _ReplicaBlocks:
         replica = self._replicas.get(replica_id)
@@ -154,13 +163,6 @@ class BlockIndex:
         except ValueError:
             self._ids_by_bit.append(None)
             return len(self._ids_by_bit) - 1
-
-    def _store(self, replica: _ReplicaBlocks, block_hashes: Iterable[BlockHash]) -> None:
-        stored, holders, bit = replica.stored, self._stored, 1 << replica.bit
-        for block_hash in block_hashes:
-            if block_hash not in stored:
-                stored[block_hash] = None
-                holders[block_hash] = holders.get(block_hash, 0) | bit
 
     def _unstore(self, replica: _ReplicaBlocks, block_hashes: Iterable[BlockHash]) -> None:
         stored, mask = replica.stored, ~(1 << replica.bit)

@@ -164,9 +164,10 @@ def test_bookings_count_until_unbooked_and_never_hide_stored_blocks():
     index.apply("b", [stored(booked[:3])])
     assert index.match(booked) == {"a": 30, "b": 3}
     # a booked chain stands for the blocks it shares with the request, rounded down to a checkpoint:
-    # the first 8 blocks, then every 8th (depths 15, 23) and the last
-    assert checkpoints(30) == (0, 1, 2, 3, 4, 5, 6, 7, 15, 23, 29)
-    assert index.match(chain(*range(20), 99)) == {"a": 16, "b": 3}
+    # the first 8 blocks, then every 16th (depth 23) and the last
+    assert checkpoints(30) == (0, 1, 2, 3, 4, 5, 6, 7, 23, 29)
+    assert index.match(chain(*range(20), 99)) == {"a": 8, "b": 3}
+    assert index.match(chain(*range(25), 99)) == {"a": 24, "b": 3}
     assert index.match(chain(*range(5), 99)) == {"a": 5, "b": 3}
     index.unbook("a", booked)
     assert index.match(booked)["a"] == 30  # one booking left
@@ -177,3 +178,16 @@ def test_bookings_count_until_unbooked_and_never_hide_stored_blocks():
     index.remove_replica("b")
     index.book("c", booked)  # takes b's freed bit
     assert index.match(booked) == {"a": 2, "c": 30}
+
+
+def test_a_booking_from_where_the_replica_match_ends_leaves_the_held_blocks_out():
+    index = BlockIndex()
+    full = chain(*range(40))
+    index.apply("a", [stored(full[:10])])
+    index.book("a", full, start=10)
+    assert index.match(full) == {"a": 40}
+    assert index.match(chain(*range(30), 99)) == {"a": 24}  # checkpoint 23 booked, stored up to 10
+    index.apply("a", [BlockRemoved(full[:10])])
+    assert index.match(full) == {"a": 40}  # the booked checkpoints still stand for their prefixes
+    index.unbook("a", full, start=10)
+    assert index.match(full) == {}
