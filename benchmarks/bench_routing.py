@@ -113,12 +113,12 @@ def deploy_and_run(args: argparse.Namespace, prompts: list[str]) -> list[Result]
 
     from cluster.app import APP_NAME, build
     from cluster.config import ClusterConfig
+    from cluster.local_ray import init_local_ray
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    ray.init(num_cpus=max(os.cpu_count() or 1, args.replicas), include_dashboard=False, log_to_driver=False)
+    init_local_ray(max(os.cpu_count() or 1, args.replicas), log_to_driver=False)
     results = []
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -85,16 +85,17 @@ def config_from_args(args: argparse.Namespace):
 
 
 def serve_until_interrupted(config, *, address: str | None, host: str, port: int) -> None:
+    from cluster.local_ray import init_local_ray
+
+    starts_cluster = address is None
+    if starts_cluster:
+        init_local_ray(_local_num_cpus(config))  # first: it must see ray imported for the first time
     import ray
     from ray import serve
 
     from cluster.app import APP_NAME, build
 
-    starts_cluster = address is None
-    if starts_cluster:
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private, local cluster
-        ray.init(num_cpus=_local_num_cpus(config), include_dashboard=False)
-    else:
+    if not starts_cluster:
         ray.init(address=address)
     try:
         serve.start(http_options={"host": host, "port": port})

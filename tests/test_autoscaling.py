@@ -13,6 +13,7 @@ from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
 from cluster.autoscaling import (LOOK_BACK_PERIOD_S, METRICS_INTERVAL_S, POLICY_IMPORT_PATH,
                                  AutoscalingSettings, PolicyKwargs, logger, preemption_policy)
+from cluster.local_ray import init_local_ray
 
 DEPLOYMENT = DeploymentID(name="Engine", app_name="prefixserve")
 # Short windows so that the expected sequences stay readable: one tick per second.
@@ -282,7 +283,7 @@ def test_real_serve_scales_a_fake_engine_up_and_back_down(monkeypatch):
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     settings = AutoscalingSettings(min_replicas=1, max_replicas=2, policy_kwargs=dict(
         preemption_rate_window_s=1.0, upscale_sustain_s=1.0, downscale_quiet_s=2.0))
-    ray.init(num_cpus=2, include_dashboard=False)
+    init_local_ray(2)
     try:
         switch = ray.remote(FakeLoadSwitch).options(num_cpus=0).remote()
         with warnings.catch_warnings():

@@ -10,6 +10,7 @@ import ray
 from ray import serve
 
 from cluster.app import APP_NAME, build_app
+from cluster.local_ray import init_local_ray
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -68,7 +69,7 @@ class FakeClients:
 def test_engine_scales_up_under_load_and_back_down_when_quiet(monkeypatch):
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False)
+    init_local_ray(2)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(ARGS), name=APP_NAME, route_prefix="/")

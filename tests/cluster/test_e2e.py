@@ -21,6 +21,7 @@ from ray import serve
 
 from cluster.app import APP_NAME, build
 from cluster.config import ClusterConfig
+from cluster.local_ray import init_local_ray
 from cluster.protocol import REPLICA_HEADER
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -47,9 +48,8 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def base_url():
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     port = free_port()
-    ray.init(num_cpus=max(2, os.cpu_count() or 1), include_dashboard=False)
+    init_local_ray(max(2, os.cpu_count() or 1))
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build(ClusterConfig(engine=ENGINE, num_replicas=2)), name=APP_NAME, route_prefix="/")
