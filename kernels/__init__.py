@@ -1,9 +1,8 @@
 """Kernels in three backends with identical signatures: pure-torch references (here), Triton
 (kernels.triton, for GPUs) and C++ (kernels.cpu, built for this CPU on first use).
 
-Importing this package imports neither triton nor a compiler. Each op module also exports its
-Triton op by name (kernels.rms_norm.rms_norm), imported on first access. Models pick one backend
-with get_ops("triton" | "cpu" | "torch").
+Importing this package imports neither triton nor a compiler. Models pick one backend with
+get_ops("triton" | "cpu" | "torch").
 """
 from kernels.activation import silu_and_mul_ref
 from kernels.attention import paged_attention_ref

@@ -12,10 +12,3 @@ def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     the input dtype before the product, as two torch ops round it."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
-
-
-def __getattr__(name: str):
-    if name == "silu_and_mul":
-        from kernels.triton.activation import silu_and_mul
-        return silu_and_mul
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

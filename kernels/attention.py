@@ -91,10 +91,3 @@ def _decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     rows = query.view(num_reqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(rows, keys, values, attn_mask=mask, scale=scale)
     return out.reshape(query.shape)
-
-
-def __getattr__(name: str):
-    if name == "paged_attention":
-        from kernels.triton.attention import paged_attention
-        return paged_attention
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,10 +16,3 @@ def write_kv_cache_ref(key: torch.Tensor, value: torch.Tensor, key_cache: torch.
     block_ids, offsets = slots // block_size, slots % block_size
     key_cache[block_ids, offsets] = key[valid]
     value_cache[block_ids, offsets] = value[valid]
-
-
-def __getattr__(name: str):
-    if name == "write_kv_cache":
-        from kernels.triton.cache_write import write_kv_cache
-        return write_kv_cache
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,10 +18,3 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     out = normed.to(x.dtype) * weight
     return out if residual is None else (out, x)
-
-
-def __getattr__(name: str):
-    if name == "rms_norm":
-        from kernels.triton.rms_norm import rms_norm
-        return rms_norm
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

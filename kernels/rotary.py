@@ -30,10 +30,3 @@ def apply_rotary_ref(query: torch.Tensor, key: torch.Tensor, positions: torch.Te
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-
-
-def __getattr__(name: str):
-    if name == "apply_rotary":
-        from kernels.triton.rotary import apply_rotary
-        return apply_rotary
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

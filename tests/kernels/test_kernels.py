@@ -128,11 +128,11 @@ def test_silu_and_mul_rejects_an_odd_width(ops, device):
         ops.silu_and_mul(torch.randn(2, 7, device=device))
 
 
-def test_ops_are_exported_by_name():
-    from kernels.activation import silu_and_mul
-    from kernels.attention import paged_attention
-    from kernels.cache_write import write_kv_cache
-    from kernels.rms_norm import rms_norm
-    from kernels.rotary import apply_rotary
+def test_triton_ops_are_the_triton_modules_kernels():
     pytest.importorskip("triton")
+    from kernels.triton.activation import silu_and_mul
+    from kernels.triton.attention import paged_attention
+    from kernels.triton.cache_write import write_kv_cache
+    from kernels.triton.rms_norm import rms_norm
+    from kernels.triton.rotary import apply_rotary
     assert get_ops("triton") == KernelOps(write_kv_cache, paged_attention, rms_norm, apply_rotary, silu_and_mul)
