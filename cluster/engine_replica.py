@@ -7,9 +7,8 @@ from collections.abc import AsyncIterator
 from ray import serve
 
 from cluster.config import ClusterConfig
-from cluster.engine_loop import AsyncEngine, EngineRequest
 from cluster.publisher import RouterPublisher
-from cluster.serving import ModelInfo
+from replica.async_engine import AsyncEngine, EngineRequest, ModelInfo
 from replica.engine import EngineCore, EngineOutput
 from router.actor import RouterClient
 

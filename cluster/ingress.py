@@ -9,7 +9,7 @@ from ray.serve.handle import DeploymentHandle
 
 from cluster.api import build_api
 from cluster.config import ClusterConfig
-from cluster.engine_loop import EngineRequest
+from replica.async_engine import EngineRequest
 from cluster.metrics import ServingMetrics
 from cluster.serving import OpenAIServing
 from replica.engine import EngineOutput

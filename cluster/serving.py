@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import pydantic
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from cluster.engine_loop import EngineRequest
+from replica.async_engine import EngineRequest, ModelInfo
 from cluster.metrics import RequestTracker, ServingMetrics
 from cluster.protocol import (REPLICA_HEADER, SSE_DONE, APIError, ChatCompletionRequest, ChatFormat,
                               CompletionFormat, CompletionRequest, ResponseFormat, sse, usage,
@@ -29,16 +29,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("ray.serve.prefixserve.serving")
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the ingress needs to know about the engines' model and cache."""
-    name: str
-    max_model_len: int
-    vocab_size: int
-    block_size: int
-    hash_seed: int = 0
 
 
 class EngineClient(Protocol):

@@ -1,5 +1,5 @@
 """Stand-ins for the engine, its client and the tokenizer, so the Serve glue is tested without a model."""
-from cluster.engine_loop import EngineRequest
+from replica.async_engine import EngineRequest
 from replica.engine import EngineOutput
 from replica.kv_cache import BlockStored, hash_token_blocks
 from replica.scheduler import SchedulerStats

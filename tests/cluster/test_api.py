@@ -9,7 +9,8 @@ import pytest
 from cluster.api import build_api
 from cluster.metrics import ServingMetrics
 from cluster.protocol import REPLICA_HEADER, CompletionRequest
-from cluster.serving import ModelInfo, OpenAIServing
+from cluster.serving import OpenAIServing
+from replica.async_engine import ModelInfo
 from replica.kv_cache import hash_token_blocks
 from replica.request import SamplingParams
 from replica.scheduler import SchedulerStats

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from ray.exceptions import RayActorError
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
 
-from cluster.engine_loop import EngineRequest
+from replica.async_engine import EngineRequest
 from replica.request import SamplingParams
 from router.messages import RoutingDecision
 from router.serve_router import PrefixAwareRequestRouter

@@ -21,6 +21,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger("ray.serve.prefixserve.engine")
 
 
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the ingress needs to know about the engines' model and cache."""
+    name: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    hash_seed: int = 0
+
+
 @dataclass(frozen=True, slots=True)
 class EngineRequest:
     """A tokenized request as the ingress hands it to an engine replica (and the router reads it)."""

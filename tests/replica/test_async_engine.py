@@ -3,10 +3,10 @@ import asyncio
 
 import pytest
 
-from cluster.engine_loop import AsyncEngine, EngineDeadError, EngineRequest
+from replica.async_engine import AsyncEngine, EngineDeadError, EngineRequest
 from replica.request import SamplingParams
 
-from .fakes import FakeEngineCore, output_text
+from tests.cluster.fakes import FakeEngineCore, output_text
 
 
 def engine_request(request_id: str, max_tokens: int = 3, prompt: list[int] | None = None) -> EngineRequest:
