@@ -144,12 +144,16 @@ async def send(client: openai.AsyncOpenAI, model: str, prompt: str, max_tokens: 
                   raw.headers[REPLICA_HEADER])
 
 
+async def warm_up(client: openai.AsyncOpenAI, model: str, num_replicas: int) -> None:
+    """Every replica's first forward passes are slow: take them with prompts sharing nothing."""
+    await asyncio.gather(*(send(client, model, f"warm up {i}", 2) for i in range(2 * num_replicas)))
+
+
 async def run_workload(base_url: str, policy: str, turns: list[Turn], args: argparse.Namespace) -> Result:
     async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0,
                                   timeout=600) as client:
         model = (await client.models.list()).data[0].id
-        # Warm every replica up (first forward passes are slow) with prompts sharing nothing.
-        await asyncio.gather(*(send(client, model, f"warm up {i}", 2) for i in range(2 * args.replicas)))
+        await warm_up(client, model, args.replicas)
         queue = list(reversed(turns))
         sessions = defaultdict(asyncio.Lock)  # FIFO: a session's next turn waits for its previous one
         samples: list[Sample] = []
