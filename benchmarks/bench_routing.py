@@ -1,18 +1,22 @@
 """Routing policies end to end: prefix routing against round_robin and least_loaded.
 
 Workload: --systems distinct system prompts of --system-words words (about 700 tokens each),
-each followed by --turns different user turns, sent in one seeded shuffled order by
---concurrency streaming clients; every request generates --max-tokens tokens (ignore_eos). The
-KV pool per replica (--num-kv-blocks) holds a little less than all the system prompts: sent to
-every replica they evict one another, kept each on one replica (half of them per replica) they
-all stay cached.
+each opening --sessions chat sessions of --turns turns. A turn's prompt is the system prompt, the
+session's earlier turns (user question and a fixed assistant answer, the same for every policy)
+and its new question, so a session's context grows. All turns are sent in one seeded shuffled
+order by --concurrency streaming clients, a session's turns one after another; every request
+generates --max-tokens tokens (ignore_eos). The KV pool per replica (--num-kv-blocks) holds a
+little less than all the system prompts: sent to every replica they evict one another, kept
+each on one replica they all stay cached.
 
-Starts a local Ray cluster and deploys the app once per policy (fresh replicas, cold caches),
-then runs the same workload against each. Per policy it prints the prefix-cache hit rate (cached
-/ prompt tokens, from the responses' usage), TTFT p50/p99, request and output-token throughput,
-and those as ratios to round_robin, the baseline, measured in the same process.
+Starts a local Ray cluster (loopback only) with --replicas engine replicas sharing the machine's
+cores, and deploys the app once per policy (fresh replicas, cold caches), then runs the same
+workload against each. Per policy it prints the prefix-cache hit rate (cached / prompt tokens,
+from the responses' usage), TTFT p50/p99, request and output-token throughput, those as ratios to
+round_robin, the baseline, measured in the same process, and the router's decisions by outcome
+(from /metrics).
 
-    python benchmarks/bench_routing.py [--policies prefix round_robin least_loaded] [--systems 6] ...
+    python benchmarks/bench_routing.py [--policies prefix round_robin least_loaded] [--replicas 4] ...
 """
 import argparse
 import asyncio
@@ -21,11 +25,14 @@ import random
 import socket
 import statistics
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 
+import httpx
 import openai
+from prometheus_client.parser import text_string_to_metric_families
 
+from cluster.metrics import PREFIX as METRICS_PREFIX
 from cluster.protocol import REPLICA_HEADER
 
 BASELINE = "round_robin"
@@ -43,10 +50,40 @@ class Sample:
 
 
 @dataclass
+class RouterMetrics:
+    """The app's /metrics summed over replicas: the router's decisions by outcome, the cached tokens it
+    predicted and the replicas found for the same requests, and the engines' prefix-cache counters."""
+    decisions: Counter
+    predicted_cached_tokens: float = 0
+    actual_cached_tokens: float = 0
+    prefix_cache_queries: float = 0
+    prefix_cache_hits: float = 0
+
+    @classmethod
+    def parse(cls, text: str) -> "RouterMetrics":
+        metrics = cls(Counter())
+        sums = {f"{METRICS_PREFIX}{name}_total": name for name in (
+            "router_predicted_cached_tokens", "router_actual_cached_tokens", "prefix_cache_queries",
+            "prefix_cache_hits")}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == f"{METRICS_PREFIX}router_decisions_total":
+                    metrics.decisions[sample.labels["outcome"]] += sample.value
+                elif sample.name in sums:
+                    name = sums[sample.name].removeprefix("router_")
+                    setattr(metrics, name, getattr(metrics, name) + sample.value)
+        return metrics
+
+    def describe_decisions(self) -> str:
+        return ", ".join(f"{outcome} {count:.0f}" for outcome, count in sorted(self.decisions.items()))
+
+
+@dataclass
 class Result:
     policy: str
     samples: list[Sample]
     wall_s: float
+    router: RouterMetrics
 
     @property
     def hit_rate(self) -> float:
@@ -64,14 +101,32 @@ class Result:
         return sum(s.output_tokens for s in self.samples) / self.wall_s
 
 
-def make_prompts(args: argparse.Namespace) -> list[str]:
+@dataclass(frozen=True)
+class Turn:
+    session: int
+    prompt: str
+
+
+def make_turns(args: argparse.Namespace) -> list[Turn]:
+    """Every session's turns, growing its context, in one seeded shuffled order that keeps each
+    session's turns in sequence."""
     rng = random.Random(args.seed)
-    systems = [f"System prompt {i}. " + " ".join(rng.choice(WORDS) for _ in range(args.system_words))
-               for i in range(args.systems)]
-    prompts = [f"{system}\nUser turn {turn}: tell me about {rng.choice(WORDS)} and {rng.choice(WORDS)}.\n"
-               for system in systems for turn in range(args.turns)]
-    rng.shuffle(prompts)
-    return prompts
+
+    def words(n: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(n))
+
+    systems = [f"System prompt {i}. {words(args.system_words)}" for i in range(args.systems)]
+    prompts = []
+    for session, system in enumerate(systems * args.sessions):
+        context = f"{system}\nSession {session}.\n"
+        prompts.append([])
+        for _ in range(args.turns):
+            context += f"User: tell me about {words(1)} and {words(1)}.\nAssistant:"
+            prompts[session].append(context)
+            context += f" {words(args.answer_words)}.\n"
+    order = [session for session in range(len(prompts)) for _ in range(args.turns)]
+    rng.shuffle(order)
+    return [Turn(session, prompts[session].pop(0)) for session in order]
 
 
 async def send(client: openai.AsyncOpenAI, model: str, prompt: str, max_tokens: int) -> Sample:
@@ -89,44 +144,59 @@ async def send(client: openai.AsyncOpenAI, model: str, prompt: str, max_tokens: 
                   raw.headers[REPLICA_HEADER])
 
 
-async def run_workload(base_url: str, policy: str, prompts: list[str], args: argparse.Namespace) -> Result:
+async def warm_up(client: openai.AsyncOpenAI, model: str, num_replicas: int) -> None:
+    """Every replica's first forward passes are slow: take them with prompts sharing nothing."""
+    await asyncio.gather(*(send(client, model, f"warm up {i}", 2) for i in range(2 * num_replicas)))
+
+
+async def run_workload(base_url: str, policy: str, turns: list[Turn], args: argparse.Namespace) -> Result:
     async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0,
                                   timeout=600) as client:
         model = (await client.models.list()).data[0].id
-        # Warm every replica up (first forward passes are slow) with prompts sharing nothing.
-        await asyncio.gather(*(send(client, model, f"warm up {i}", 2) for i in range(2 * args.replicas)))
-        queue = list(reversed(prompts))
+        await warm_up(client, model, args.replicas)
+        queue = list(reversed(turns))
+        sessions = defaultdict(asyncio.Lock)  # FIFO: a session's next turn waits for its previous one
         samples: list[Sample] = []
 
         async def worker() -> None:
             while queue:
-                samples.append(await send(client, model, queue.pop(), args.max_tokens))
+                turn = queue.pop()
+                async with sessions[turn.session]:
+                    samples.append(await send(client, model, turn.prompt, args.max_tokens))
 
         start = time.monotonic()
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
-        return Result(policy, samples, time.monotonic() - start)
+        wall_s = time.monotonic() - start
+    return Result(policy, samples, wall_s, await router_metrics(base_url))
 
 
-def deploy_and_run(args: argparse.Namespace, prompts: list[str]) -> list[Result]:
-    import ray
-    from ray import serve
+async def router_metrics(base_url: str) -> RouterMetrics:
+    async with httpx.AsyncClient() as client:
+        return RouterMetrics.parse((await client.get(f"{base_url}/metrics")).text)
 
-    from cluster.app import APP_NAME, build
-    from cluster.config import ClusterConfig
+
+def deploy_and_run(args: argparse.Namespace, turns: list[Turn]) -> list[Result]:
     from cluster.local_ray import init_local_ray
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    init_local_ray(max(os.cpu_count() or 1, args.replicas), log_to_driver=False)
+    num_cpus = os.cpu_count() or 1
+    init_local_ray(num_cpus, log_to_driver=False)  # before anything imports ray
+    import ray
+    from ray import serve
+
+    from cluster.app import APP_NAME, build
+    from cluster.config import ClusterConfig
     results = []
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         for policy in args.policies:
             engine = {"num_kv_blocks": args.num_kv_blocks, "max_model_len": args.max_model_len}
-            config = ClusterConfig(engine=engine, num_replicas=args.replicas, routing_policy=policy)
+            config = ClusterConfig(engine=engine, num_replicas=args.replicas, routing_policy=policy,
+                                   replica_num_cpus=min(1.0, num_cpus / args.replicas))
             serve.run(build(config), name=APP_NAME, route_prefix="/")
-            results.append(asyncio.run(run_workload(f"http://127.0.0.1:{port}", policy, prompts, args)))
+            results.append(asyncio.run(run_workload(f"http://127.0.0.1:{port}", policy, turns, args)))
             print(f"{policy}: {results[-1].wall_s:.1f} s", flush=True)
     finally:
         serve.shutdown()
@@ -137,33 +207,35 @@ def deploy_and_run(args: argparse.Namespace, prompts: list[str]) -> list[Result]
 def report(results: list[Result]) -> None:
     baseline = next((r for r in results if r.policy == BASELINE), None)
     print(f"| policy | prefix-cache hit rate | TTFT p50 (s) | TTFT p99 (s) | req/s | output tok/s "
-          f"| TTFT p50 speedup vs {BASELINE} | throughput vs {BASELINE} | requests per replica |")
+          f"| TTFT p50, p99, throughput vs {BASELINE} | requests per replica | router decisions |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        versus = (f"{baseline.ttft(50) / r.ttft(50):.2f}x | {r.requests_per_s / baseline.requests_per_s:.2f}x"
-                  if baseline else "- | -")
+        versus = (f"{baseline.ttft(50) / r.ttft(50):.2f}x, {baseline.ttft(99) / r.ttft(99):.2f}x, "
+                  f"{r.requests_per_s / baseline.requests_per_s:.2f}x" if baseline else "-")
         spread = sorted(Counter(s.replica_id for s in r.samples).values(), reverse=True)
         print(f"| {r.policy} | {r.hit_rate:.1%} | {r.ttft(50):.2f} | {r.ttft(99):.2f} | {r.requests_per_s:.2f} "
-              f"| {r.output_tokens_per_s:.1f} | {versus} | {spread} |", flush=True)
+              f"| {r.output_tokens_per_s:.1f} | {versus} | {spread} | {r.router.describe_decisions()} |", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--policies", nargs="+", default=["prefix", "round_robin", "least_loaded"])
-    parser.add_argument("--replicas", type=int, default=2)
-    parser.add_argument("--systems", type=int, default=6)
+    parser.add_argument("--replicas", type=int, default=4, help="engine replicas, sharing the machine's cores")
+    parser.add_argument("--systems", type=int, default=8)
     parser.add_argument("--system-words", type=int, default=700)
-    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--sessions", type=int, default=4, help="chat sessions per system prompt")
+    parser.add_argument("--turns", type=int, default=4, help="turns per session")
+    parser.add_argument("--answer-words", type=int, default=24, help="words of each turn's fixed assistant answer")
     parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--num-kv-blocks", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    prompts = make_prompts(args)
-    print(f"{len(prompts)} requests: {args.systems} system prompts x {args.turns} turns, "
-          f"{args.concurrency} concurrent, {args.max_tokens} output tokens each", flush=True)
-    results = deploy_and_run(args, prompts)
+    turns = make_turns(args)
+    print(f"{len(turns)} requests: {args.systems} system prompts x {args.sessions} sessions x {args.turns} turns, "
+          f"{args.replicas} replicas, {args.concurrency} concurrent, {args.max_tokens} output tokens each", flush=True)
+    results = deploy_and_run(args, turns)
     print()
     report(results)
 
