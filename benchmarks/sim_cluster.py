@@ -8,6 +8,7 @@ baselines' sources and defaults, and what is modelled.
     python benchmarks/sim_cluster.py --workloads agents --replicas 8 --policies prefix sglang
 """
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -17,8 +18,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 from benchmarks.sim.experiment import ClusterSpec, capacity, run  # noqa: E402
 from benchmarks.sim.report import plot, table, verdict  # noqa: E402
 from benchmarks.sim.routers import POLICIES  # noqa: E402
-from benchmarks.sim.step_model import StepModel, cpu_name  # noqa: E402
+from benchmarks.sim.step_model import CALIBRATION, StepModel, cpu_name  # noqa: E402
 from benchmarks.sim.workloads import WORKLOADS  # noqa: E402
+
+
+def _calibration() -> str:
+    fitted = json.loads(CALIBRATION.read_text())
+    return (f"measured {fitted['measured']} on {fitted['cpu']}, {fitted['threads']} thread, load average "
+            f"{fitted['load_average'][0]:.1f}, {len(fitted['steps'])} steps ({fitted['num_outliers_dropped']} dropped as "
+            f"outliers), median error {fitted['rel_error_median']:.0%}")
 
 
 def parse_args() -> argparse.Namespace:
@@ -52,11 +60,16 @@ def main() -> None:
                       f"TTFT p50 {result.ttft_p50:7.2f} p99 {result.ttft_p99:7.2f}  "
                       f"load {result.load_max_over_mean:4.2f}  preempt {result.preemptions}", flush=True)
             runs += results
-    text = "\n".join([f"Step model: {args.step_model} {step_model}; simulated on {cpu_name()}; {args}",
-                      "Capacity (requests/s per replica): " + ", ".join(
-                          f"{name} {value:.3f}" for name, value in capacities.items()),
-                      f"Simulated in {time.perf_counter() - started:.0f} s", "", table(runs), "",
-                      *verdict(runs)])
+    text = "\n".join([
+        "# Cluster simulator (benchmarks/sim_cluster.py)", "",
+        "```", "python benchmarks/sim_cluster.py " + " ".join(sys.argv[1:]), "```", "",
+        f"Step model: {args.step_model} {step_model} (seconds = a + b * prefill tokens + c * decoding sequences"
+        f" + d * their context tokens); calibration: {_calibration()}.",
+        f"Simulated on {cpu_name()} in {time.perf_counter() - started:.0f} s; {spec}; load {args.load}; "
+        f"{args.requests_per_replica} requests per replica; seed {args.seed}.",
+        "Capacity (requests/s per replica, saturated): " + ", ".join(
+            f"{name} {value:.3f}" for name, value in capacities.items()) + ".", "",
+        table(runs), "", *verdict(runs)])
     print(text)
     if args.markdown:
         Path(args.markdown).write_text(text + "\n")

@@ -4,6 +4,7 @@ from dataclasses import dataclass
 from router import PolicyConfig
 
 from .cluster import RequestRecord, Simulation
+from .pooled_lru import pooled_lru_hit_rate
 from .replica import SimReplica
 from .report import RunMetrics, measure
 from .routers import make_router
@@ -13,7 +14,7 @@ from .workloads import Program, Turn, assign_starts, make_workload
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    num_blocks: int = 4096      # KV blocks per replica: 64k tokens at 16 per block
+    num_blocks: int = 2048      # KV blocks per replica: 32k tokens at 16 per block
     block_size: int = 16
     publish_lag_s: float = 0.01  # a publication reaches the router this long after its step
 
@@ -43,9 +44,12 @@ def run(workload: str, num_replicas: int, policies: list[str], load: float, requ
     """Every policy on the same programs and arrival times."""
     programs = make_workload(workload, seed, num_replicas, requests_per_replica * num_replicas)
     assign_starts(programs, load * per_replica_capacity * num_replicas, seed)
-    results = []
+    results, reference = [], None
     for policy in policies:
         records, replicas = simulate(programs, num_replicas, policy, step_model, spec, seed, config)
+        if reference is None:
+            reference = pooled_lru_hit_rate(programs, records, num_replicas * spec.num_blocks, spec.block_size)
         preemptions = sum(replica.scheduler.num_preemptions for replica in replicas)
         results.append(measure(workload, num_replicas, policy, records, preemptions))
+        results[-1].pooled_lru_hit_rate = reference
     return results
