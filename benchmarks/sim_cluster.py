@@ -15,6 +15,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
+from router import PolicyConfig  # noqa: E402
+
 from benchmarks.sim.experiment import ClusterSpec, capacity, run  # noqa: E402
 from benchmarks.sim.report import plot, table, verdict  # noqa: E402
 from benchmarks.sim.routers import POLICIES  # noqa: E402
@@ -40,6 +42,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--publish-lag", type=float, default=ClusterSpec.publish_lag_s)
     parser.add_argument("--step-model", default="calibrated", choices=["calibrated", "gpu-assumed"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--policy-config", type=PolicyConfig.model_validate_json, default=PolicyConfig(),
+                        help='PolicyConfig overrides as JSON, e.g. \'{"request_cost_tokens": 64}\'')
     parser.add_argument("--markdown", help="write the tables here too")
     parser.add_argument("--plot", help="save the plot here (needs matplotlib)")
     return parser.parse_args()
@@ -54,7 +58,7 @@ def main() -> None:
         capacities[workload] = capacity(workload, step_model, spec, args.seed)
         for num_replicas in args.replicas:
             results = run(workload, num_replicas, args.policies, args.load, args.requests_per_replica,
-                          capacities[workload], step_model, spec, args.seed)
+                          capacities[workload], step_model, spec, args.seed, args.policy_config)
             for result in results:
                 print(f"{workload:>14} N={num_replicas:<3} {result.policy:>15}  hit {result.hit_rate:6.1%}  "
                       f"TTFT p50 {result.ttft_p50:7.2f} p99 {result.ttft_p99:7.2f}  "
