@@ -104,7 +104,7 @@ def test_no_hit_alternates_and_bookings_count_before_reports():
 
 
 def test_a_burst_follows_the_first_request_before_the_replica_reports():
-    router = make_router()
+    router = make_router(request_cost_tokens=32)
     first = router.choose("r1", chain(*range(40)), ["a", "b"])
     second = router.choose("r2", chain(*range(41)), ["a", "b"])
     assert (first, second) == (RoutingDecision("a", 0, "no_hit"), RoutingDecision("a", 40, "prefix_hit"))
