@@ -79,14 +79,17 @@ class _Replica:
     uncovered: deque[_Booking] = field(default_factory=deque)  # bookings its reports may not count yet
     uncovered_tokens: int = 0
     uncovered_blocks: int = 0
+    booked_tokens: int = 0  # uncached prompt tokens of every booking: the most prefill they can still need
 
     def add(self, booking: _Booking) -> None:
         self.bookings[booking.request_id] = booking
         self.uncovered.append(booking)
         self._count_uncovered(booking, +1)
+        self.booked_tokens += booking.num_uncached_tokens
 
     def remove(self, booking: _Booking) -> None:
         del self.bookings[booking.request_id]
+        self.booked_tokens -= booking.num_uncached_tokens
         self._cover(booking)  # it stays in the deque until reported past, counting no more
 
     def reported(self) -> None:
@@ -111,8 +114,11 @@ class _Replica:
         # Our bookings are fresher than the report for what we routed; the report also covers
         # requests other routers sent. Each undercounts, so take the larger.
         num_requests = max(stats.num_running + stats.num_waiting, len(self.bookings))
-        return Candidate(replica_id, matched_blocks, num_requests,
-                         stats.num_prefill_tokens_pending + self.uncovered_tokens,
+        # A report counts a waiting request's whole prompt, its cached prefix too (the replica looks
+        # it up only at admission), and overcounts a long cached history by all of it; a booking
+        # counts what the replica lacked when routed. Both are upper bounds: take the smaller.
+        pending = min(stats.num_prefill_tokens_pending + self.uncovered_tokens, self.booked_tokens)
+        return Candidate(replica_id, matched_blocks, num_requests, pending,
                          stats.num_free_blocks - self.uncovered_blocks, self.preemptions.count(now), num_cached_blocks)
 
 

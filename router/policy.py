@@ -29,10 +29,13 @@ class PolicyConfig(pydantic.BaseModel):
     """The engines' max_num_batched_tokens: queued prefill beyond it takes more steps."""
     step_overhead_tokens: float = pydantic.Field(64.0, ge=0)
     """A step's fixed cost (launch, sampling, scheduling) in tokens of prefill it would take as long to compute."""
-    request_cost_tokens: float = pydantic.Field(32.0, ge=0)
+    request_cost_tokens: float = pydantic.Field(256.0, ge=0)
     """Cost of every request already running or queued on the replica: the decode work the new request
-    shares each step with and adds to. Compared with a cached prefix's savings, it sets how soon a
-    shared prefix spreads to a less loaded replica."""
+    shares each step with and adds to, and (for sessions) the turns that will follow it there. Compared
+    with a cached prefix's savings, it sets how soon a shared prefix spreads to a less loaded replica.
+    256 from benchmarks/sim_cluster.py at load 0.9 (benchmarks/results/routing-sim.md): at 32 a few
+    agent system prompts pulled new programs onto the replicas caching them (max/mean load 3-5, TTFT
+    p99 18 s at 16 replicas against 6 s); at 512 and more chats leave their history's replica."""
     memory_weight: float = pydantic.Field(1.0, ge=0)
     """Cost per token of KV cache the replica lacks for this request (free and evictable blocks below
     its uncached blocks): what it must preempt and later recompute."""

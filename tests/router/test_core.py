@@ -104,7 +104,7 @@ def test_no_hit_alternates_and_bookings_count_before_reports():
 
 
 def test_a_burst_follows_the_first_request_before_the_replica_reports():
-    router = make_router()
+    router = make_router(request_cost_tokens=32)
     first = router.choose("r1", chain(*range(40)), ["a", "b"])
     second = router.choose("r2", chain(*range(41)), ["a", "b"])
     assert (first, second) == (RoutingDecision("a", 0, "no_hit"), RoutingDecision("a", 40, "prefix_hit"))
@@ -124,6 +124,19 @@ def test_routed_prefill_counts_as_queued_until_the_replica_reports_it():
     publish(router, "a", 2)
     publish(router, "a", 3)
     assert router.choose("r9", chain(1, 2, 9), ["a", "b"]).replica_id == "a"
+
+
+def test_a_waiting_turn_counts_only_the_prefill_its_replica_lacks():
+    # A replica reports a waiting request's whole prompt as pending, its cached history too (it looks
+    # the prefix up only at admission); the router booked the 4 tokens the replica lacked.
+    router = make_router(request_cost_tokens=0, step_overhead_tokens=0)
+    publish(router, "a", 1, [stored(chain(*range(1, 41))), stored(chain(*range(100, 110)))])
+    publish(router, "b", 1)
+    assert router.choose("s1/2", chain(*range(1, 42)), ["a", "b"]).replica_id == "a"
+    publish(router, "a", 2, num_waiting=1, pending=41 * BLOCK_SIZE)
+    publish(router, "a", 3, num_waiting=1, pending=41 * BLOCK_SIZE)
+    # another session's next turn: 4 + 2 * 4 on a, against 2 * 44 on b
+    assert router.choose("s2/2", chain(*range(100, 111)), ["a", "b"]) == RoutingDecision("a", 10, "prefix_hit")
 
 
 def test_hot_prefix_spreads_once_its_replica_is_loaded_then_both_serve_it():

@@ -32,10 +32,10 @@ def test_a_full_hit_still_computes_the_last_prompt_token():
 def test_prefix_hit_wins_over_a_few_requests():
     # a: 2 * 5 uncached + 64 + 3 * 32 = 170; b: 2 * 133 + 64 = 330
     candidates = [Candidate("b"), Candidate("a", matched_blocks=8, num_requests=3)]
-    assert prefix_policy().choose(PROMPT, candidates) == RoutingDecision("a", 8, "prefix_hit")
+    assert prefix_policy(request_cost_tokens=32).choose(PROMPT, candidates) == RoutingDecision("a", 8, "prefix_hit")
     # with 9 requests a costs 362
     candidates[1] = Candidate("a", matched_blocks=8, num_requests=9)
-    assert prefix_policy().choose(PROMPT, candidates) == RoutingDecision("b", 0, "spill")
+    assert prefix_policy(request_cost_tokens=32).choose(PROMPT, candidates) == RoutingDecision("b", 0, "spill")
 
 
 def test_longer_prefix_wins_between_equal_loads():

@@ -1,0 +1,55 @@
+"""One simulated run end to end, and the capacity that loads are relative to."""
+from dataclasses import dataclass
+
+from router import PolicyConfig
+
+from .cluster import RequestRecord, Simulation
+from .pooled_lru import pooled_lru_hit_rate
+from .replica import SimReplica
+from .report import RunMetrics, measure
+from .routers import make_router
+from .step_model import StepModel
+from .workloads import Program, Turn, assign_starts, make_workload
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    num_blocks: int = 2048      # KV blocks per replica: 32k tokens at 16 per block
+    block_size: int = 16
+    publish_lag_s: float = 0.01  # a publication reaches the router this long after its step
+
+
+def simulate(programs: list[Program], num_replicas: int, policy: str, step_model: StepModel,
+             spec: ClusterSpec, seed: int, config: PolicyConfig | None = None
+             ) -> tuple[list[RequestRecord], list[SimReplica]]:
+    replicas = [SimReplica(f"r{i}", spec.num_blocks, spec.block_size, step_model) for i in range(num_replicas)]
+    simulation = Simulation(programs, replicas, lambda ids, clock: make_router(
+        policy, ids, spec.block_size, clock, seed, config), spec.block_size, spec.publish_lag_s)
+    return simulation.run(), replicas
+
+
+def capacity(workload: str, step_model: StepModel, spec: ClusterSpec, seed: int, num_requests: int = 150) -> float:
+    """Requests per second one replica completes when saturated: every turn of a one-replica
+    workload's first num_requests submitted at time 0, gaps dropped."""
+    programs = make_workload(workload, seed, 1, num_requests)
+    turns = [turn for program in programs for turn in program.turns][:num_requests]
+    flat = [Program(f"c{i}", [Turn(turn.prompt, turn.output)]) for i, turn in enumerate(turns)]
+    records, _ = simulate(flat, 1, "round_robin", step_model, spec, seed)
+    return len(records) / max(record.finished_s for record in records)
+
+
+def run(workload: str, num_replicas: int, policies: list[str], load: float, requests_per_replica: int,
+        per_replica_capacity: float, step_model: StepModel, spec: ClusterSpec, seed: int,
+        config: PolicyConfig | None = None) -> list[RunMetrics]:
+    """Every policy on the same programs and arrival times."""
+    programs = make_workload(workload, seed, num_replicas, requests_per_replica * num_replicas)
+    assign_starts(programs, load * per_replica_capacity * num_replicas, seed)
+    results, reference = [], None
+    for policy in policies:
+        records, replicas = simulate(programs, num_replicas, policy, step_model, spec, seed, config)
+        if reference is None:
+            reference = pooled_lru_hit_rate(programs, records, num_replicas * spec.num_blocks, spec.block_size)
+        preemptions = sum(replica.scheduler.num_preemptions for replica in replicas)
+        results.append(measure(workload, num_replicas, policy, records, preemptions))
+        results[-1].pooled_lru_hit_rate = reference
+    return results

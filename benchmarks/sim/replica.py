@@ -1,0 +1,86 @@
+"""A simulated engine replica: the real Scheduler and KVCacheManager, with no model.
+
+Each step is scheduled by the real scheduler; its duration comes from the step model; at its
+end every request that finished its prompt samples the next token of its scripted answer. After
+every step the replica publishes to the router as cluster/publisher.py does: its KV events, its
+stats and the requests that finished, numbered 1, 2, 3...
+"""
+from dataclasses import dataclass
+
+from replica.kv_cache import BlockHash, KVCacheManager, KVEvent
+from replica.request import Request, SamplingParams
+from replica.scheduler import ModelRunnerOutput, RequestOutput, Scheduler, SchedulerConfig, SchedulerOutput
+from replica.scheduler import SchedulerStats
+from router.messages import FinishedRequest
+
+from .step_model import StepModel
+
+WATERMARK = 0.01  # the engine's default (replica.engine.EngineConfig)
+
+
+@dataclass
+class Publication:
+    seq: int
+    events: list[KVEvent]
+    stats: SchedulerStats
+    finished: list[FinishedRequest]
+
+
+class SimReplica:
+    def __init__(self, replica_id: str, num_blocks: int, block_size: int, step_model: StepModel,
+                 max_model_len: int = 8192):
+        self.replica_id = replica_id
+        self.kv_cache_manager = KVCacheManager(num_blocks, block_size, watermark=WATERMARK,
+                                               max_model_len=max_model_len)
+        self.scheduler = Scheduler(SchedulerConfig(max_model_len=max_model_len), self.kv_cache_manager)
+        self.step_model = step_model
+        self.busy = False
+        self._scripts: dict[str, list[int]] = {}
+        self._live: dict[str, Request] = {}
+        self._finished: list[FinishedRequest] = []
+        self._seq = 0
+
+    def add(self, request_id: str, prompt: list[int], block_hashes: list[BlockHash], output: list[int],
+            now: float) -> None:
+        request = Request(request_id, prompt, SamplingParams(max_tokens=len(output), ignore_eos=True),
+                          arrival_time=now)
+        request.block_hashes = list(block_hashes)  # hashed once at the ingress, as the cluster does
+        self.scheduler.add_request(request)
+        self._scripts[request_id] = output
+        self._live[request_id] = request
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def schedule(self) -> tuple[SchedulerOutput, float]:
+        output = self.scheduler.schedule()
+        return output, self.step_model.step_seconds(output, self.scheduler.requests)
+
+    def complete(self, output: SchedulerOutput) -> list[RequestOutput]:
+        """End the step: sample a token for every request whose prompt is computed."""
+        requests = self.scheduler.requests
+        req_ids = list(output.num_scheduled_tokens)
+        sampled = [self._sample(requests[req_id]) for req_id in req_ids]
+        outputs = self.scheduler.update_from_output(output, ModelRunnerOutput(req_ids, sampled))
+        for result in outputs:
+            if result.finished:
+                request = self._live.pop(result.request_id)
+                del self._scripts[result.request_id]
+                self._finished.append(FinishedRequest(result.request_id, request.num_cached_tokens))
+        return outputs
+
+    def request(self, request_id: str) -> Request:
+        return self._live[request_id]
+
+    def publish(self) -> Publication:
+        self._seq += 1
+        finished, self._finished = self._finished, []
+        return Publication(self._seq, self.kv_cache_manager.take_events(), self.scheduler.make_stats(), finished)
+
+    def cached_block_hashes(self) -> list[BlockHash]:
+        return self.kv_cache_manager.cached_block_hashes()
+
+    def _sample(self, request: Request) -> list[int]:
+        if request.num_computed_tokens < request.num_tokens:
+            return []  # a prefill chunk
+        return [self._scripts[request.request_id][request.num_output_tokens]]

@@ -1,0 +1,128 @@
+"""Metrics of one simulated run, and the markdown table and plot of many."""
+import statistics
+from collections import Counter
+from dataclasses import asdict, dataclass
+
+from .cluster import RequestRecord
+
+
+@dataclass
+class RunMetrics:
+    workload: str
+    num_replicas: int
+    policy: str
+    num_requests: int
+    hit_rate: float           # cached prompt tokens / prompt tokens, over all replicas
+    ttft_p50: float           # seconds from arrival to the end of the step that sampled the first token
+    ttft_p90: float
+    ttft_p99: float
+    queue_p50: float          # seconds from arrival to the first step that scheduled the request
+    queue_p99: float
+    load_max_over_mean: float  # requests routed to the busiest replica / the mean
+    preemptions: int
+    pooled_lru_hit_rate: float = float("nan")  # the reference: one LRU cache of all replicas' blocks
+
+
+def measure(workload: str, num_replicas: int, policy: str, records: list[RequestRecord],
+            preemptions: int) -> RunMetrics:
+    ttft = _percentiles([r.first_token_s - r.arrival_s for r in records])
+    queued = _percentiles([r.scheduled_s - r.arrival_s for r in records])
+    per_replica = Counter(r.replica_id for r in records)
+    mean_load = len(records) / num_replicas
+    return RunMetrics(workload, num_replicas, policy, len(records),
+                      sum(r.num_cached_tokens for r in records) / sum(r.num_prompt_tokens for r in records),
+                      ttft[50], ttft[90], ttft[99], queued[50], queued[99],
+                      max(per_replica.values()) / mean_load, preemptions)
+
+
+def _percentiles(values: list[float]) -> dict[int, float]:
+    cuts = statistics.quantiles(values, n=100, method="inclusive")
+    return {50: cuts[49], 90: cuts[89], 99: cuts[98]}
+
+
+HEADER = ("| workload | N | policy | hit rate | pooled LRU | TTFT p50 (s) | p90 | p99 | queued p50 (s) | p99 | "
+          "load max/mean | preemptions |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def table(runs: list[RunMetrics]) -> str:
+    best = _best_marks(runs)
+    lines = [HEADER]
+    for run in runs:
+        mark = best.get((run.workload, run.num_replicas, run.policy), set())
+        cells = [_bold(f"{run.hit_rate:.1%}", "hit" in mark), f"{run.pooled_lru_hit_rate:.1%}", _bold(f"{run.ttft_p50:.2f}", "p50" in mark),
+                 f"{run.ttft_p90:.2f}", _bold(f"{run.ttft_p99:.2f}", "p99" in mark),
+                 f"{run.queue_p50:.2f}", f"{run.queue_p99:.2f}", f"{run.load_max_over_mean:.2f}",
+                 str(run.preemptions)]
+        lines.append(f"| {run.workload} | {run.num_replicas} | {run.policy} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _best_marks(runs: list[RunMetrics]) -> dict[tuple, set[str]]:
+    """Per (workload, N): which policy has the best hit rate, TTFT p50 and TTFT p99."""
+    marks: dict[tuple, set[str]] = {}
+    groups: dict[tuple, list[RunMetrics]] = {}
+    for run in runs:
+        groups.setdefault((run.workload, run.num_replicas), []).append(run)
+    for group in groups.values():
+        for name, key in (("hit", lambda r: -r.hit_rate), ("p50", lambda r: r.ttft_p50),
+                          ("p99", lambda r: r.ttft_p99)):
+            winner = min(group, key=key)
+            marks.setdefault((winner.workload, winner.num_replicas, winner.policy), set()).add(name)
+    return marks
+
+
+def _bold(text: str, bold: bool) -> str:
+    return f"**{text}**" if bold else text
+
+
+def verdict(runs: list[RunMetrics]) -> list[str]:
+    """The issue's Done-when, per (workload, N): prefix against the best baseline."""
+    lines = []
+    groups: dict[tuple, list[RunMetrics]] = {}
+    for run in runs:
+        groups.setdefault((run.workload, run.num_replicas), []).append(run)
+    for (workload, num_replicas), group in groups.items():
+        prefix = next((r for r in group if r.policy == "prefix"), None)
+        others = [r for r in group if r.policy != "prefix"]
+        if prefix is None or not others:
+            continue
+        best_hit = max(r.hit_rate for r in others)
+        best_p50 = min(r.ttft_p50 for r in others)
+        best_p99 = min(r.ttft_p99 for r in others)
+        strict = workload in ("multi-turn", "agents") and num_replicas >= 8
+        factor = 0.8 if strict else 1.0
+        holds = (prefix.hit_rate >= best_hit and prefix.ttft_p50 <= factor * best_p50
+                 and prefix.ttft_p99 <= factor * best_p99)
+        lines.append(f"| {workload} | {num_replicas} | {prefix.hit_rate:.1%} vs {best_hit:.1%} | "
+                     f"{prefix.ttft_p50 / best_p50:.2f}x | {prefix.ttft_p99 / best_p99:.2f}x | "
+                     f"{'≤ 0.8x' if strict else '≤ 1x'} | {'yes' if holds else '**no**'} |")
+    return ["| workload | N | prefix hit vs best baseline | TTFT p50 / best | p99 / best | needed | holds |",
+            "|---|---|---|---|---|---|---|"] + lines
+
+
+def plot(runs: list[RunMetrics], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(dict.fromkeys(r.workload for r in runs))
+    policies = list(dict.fromkeys(r.policy for r in runs))
+    figure, axes = plt.subplots(3, len(workloads), figsize=(4 * len(workloads), 9), squeeze=False)
+    for column, workload in enumerate(workloads):
+        for row, (label, value) in enumerate((("hit rate", "hit_rate"), ("TTFT p50 (s)", "ttft_p50"),
+                                              ("TTFT p99 (s)", "ttft_p99"))):
+            axis = axes[row][column]
+            for policy in policies:
+                points = [(r.num_replicas, asdict(r)[value]) for r in runs
+                          if r.workload == workload and r.policy == policy]
+                axis.plot(*zip(*sorted(points)), marker="o", label=policy)
+            axis.set_xscale("log", base=2)
+            axis.set_xlabel("replicas")
+            axis.set_ylabel(label)
+            if row == 0:
+                axis.set_title(workload)
+            if row > 0:
+                axis.set_yscale("log")
+    axes[0][0].legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)

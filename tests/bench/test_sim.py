@@ -1,0 +1,64 @@
+"""The cluster simulator on a tiny seeded workload: exact facts, no timings."""
+from collections import Counter
+
+import pytest
+
+from benchmarks.sim.cluster import Simulation
+from benchmarks.sim.replica import SimReplica
+from benchmarks.sim.routers import make_router
+from benchmarks.sim.step_model import StepModel
+from benchmarks.sim.workloads import assign_starts, make_workload
+
+BLOCK_SIZE = 16
+STEP_MODEL = StepModel(a=0.01, b=2e-4, c=1e-3, d=1e-6)  # fixed, so the test does not follow calibrations
+
+
+def simulate(policy: str, workload: str = "multi-turn", num_replicas: int = 3):
+    programs = make_workload(workload, seed=1, num_replicas=num_replicas, num_requests=24)
+    assign_starts(programs, requests_per_s=6.0, seed=1)
+    replicas = [SimReplica(f"r{i}", 1024, BLOCK_SIZE, STEP_MODEL) for i in range(num_replicas)]
+    simulation = Simulation(programs, replicas, lambda ids, clock: make_router(policy, ids, BLOCK_SIZE, clock, 0),
+                            BLOCK_SIZE)
+    return simulation, simulation.run(), programs, replicas
+
+
+@pytest.mark.parametrize("policy", ["prefix", "sglang", "ray"])
+def test_every_turn_finishes_and_no_block_leaks(policy):
+    _, records, programs, replicas = simulate(policy)
+    assert len(records) == sum(len(program.turns) for program in programs)
+    assert all(record.finished_s is not None and record.first_token_s >= record.arrival_s for record in records)
+    assert [replica.kv_cache_manager.usage for replica in replicas] == [0.0] * len(replicas)
+    assert all(not replica.has_work() for replica in replicas)
+
+
+def test_router_index_mirrors_every_replica_cache():
+    simulation, records, _, replicas = simulate("prefix")
+    index = simulation.router.router.index
+    assert sum(record.num_cached_tokens for record in records) > 0
+    assert sum(len(replica.cached_block_hashes()) for replica in replicas) > 0
+    for replica in replicas:
+        cached = replica.cached_block_hashes()
+        assert index.num_blocks(replica.replica_id) == len(cached)
+        assert all(index.match([block_hash]).get(replica.replica_id) == 1 for block_hash in cached)
+
+
+def test_consistent_hashing_keeps_a_session_on_one_replica():
+    _, records, _, _ = simulate("consistent_hash")
+    replicas_by_session = {}
+    for record in records:
+        replicas_by_session.setdefault(record.session_id, set()).add(record.replica_id)
+    assert all(len(replica_ids) == 1 for replica_ids in replicas_by_session.values())
+    assert len({next(iter(ids)) for ids in replicas_by_session.values()}) > 1
+
+
+def test_round_robin_deals_in_turn():
+    _, records, _, _ = simulate("round_robin", workload="system-prompts", num_replicas=4)
+    in_arrival_order = sorted(records, key=lambda record: record.arrival_s)
+    assert [record.replica_id for record in in_arrival_order[:8]] == ["r0", "r1", "r2", "r3"] * 2
+    assert sorted(Counter(record.replica_id for record in records).values()) == [6, 6, 6, 6]
+
+
+def test_runs_are_deterministic():
+    first = [(r.request_id, r.replica_id, r.first_token_s, r.num_cached_tokens) for r in simulate("prefix")[1]]
+    second = [(r.request_id, r.replica_id, r.first_token_s, r.num_cached_tokens) for r in simulate("prefix")[1]]
+    assert first == second
