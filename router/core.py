@@ -22,6 +22,7 @@ from replica.scheduler import SchedulerStats
 from router.index import BlockIndex
 from router.messages import FinishedRequest, ReplicaSnapshot, RouterSnapshot, RoutingDecision
 from router.policy import Candidate, PolicyConfig, RequestShape, make_policy
+from router.sessions import ParkedSessions
 
 # A replica's report covers a request routed to it from its second report after the routing on:
 # the first may have been sent before the request arrived.
@@ -66,6 +67,8 @@ class _Booking:
     routed_at: float
     report_number: int  # the replica's number of reports when the request was routed
     booked_from: int | None  # its blocks from here on count as cached on the replica; None: not booked
+    session_id: str | None = None
+    session_turn: int = 0  # the how-manieth turn of its session it is
     covered: bool = False  # the replica's reports count it
 
 
@@ -80,16 +83,24 @@ class _Replica:
     uncovered_tokens: int = 0
     uncovered_blocks: int = 0
     booked_tokens: int = 0  # uncached prompt tokens of every booking: the most prefill they can still need
+    booked_context_tokens: int = 0  # prompt tokens of every booking: the context its decodes attend to
+    session_tokens: int = 0  # uncached prompt tokens of the bookings that are later turns of their sessions
 
     def add(self, booking: _Booking) -> None:
         self.bookings[booking.request_id] = booking
         self.uncovered.append(booking)
         self._count_uncovered(booking, +1)
         self.booked_tokens += booking.num_uncached_tokens
+        self.booked_context_tokens += booking.num_prompt_tokens
+        if booking.session_turn >= 2:
+            self.session_tokens += booking.num_uncached_tokens
 
     def remove(self, booking: _Booking) -> None:
         del self.bookings[booking.request_id]
         self.booked_tokens -= booking.num_uncached_tokens
+        self.booked_context_tokens -= booking.num_prompt_tokens
+        if booking.session_turn >= 2:
+            self.session_tokens -= booking.num_uncached_tokens
         self._cover(booking)  # it stays in the deque until reported past, counting no more
 
     def reported(self) -> None:
@@ -106,10 +117,15 @@ class _Replica:
         self.uncovered_tokens += sign * booking.num_uncached_tokens
         self.uncovered_blocks += sign * booking.num_uncached_blocks
 
-    def candidate(self, replica_id: str, matched_blocks: int, num_cached_blocks: int, now: float) -> Candidate:
+    def candidate(self, replica_id: str, matched_blocks: int, num_cached_blocks: int, parked_session_tokens: int | None,
+                  now: float) -> Candidate:
+        # For a new session (parked_session_tokens not None): the sessions it would share the replica
+        # with, in flight or parked between turns, each as many tokens as its last turn brought.
+        session_tokens = 0 if parked_session_tokens is None else parked_session_tokens + self.session_tokens
         if self.snapshot is None:
             return Candidate(replica_id, matched_blocks, len(self.bookings), self.uncovered_tokens,
-                             num_cached_blocks=num_cached_blocks)
+                             num_cached_blocks=num_cached_blocks, num_session_tokens=session_tokens,
+                             num_context_tokens=self.booked_context_tokens)
         stats = self.snapshot.stats
         # Our bookings are fresher than the report for what we routed; the report also covers
         # requests other routers sent. Each undercounts, so take the larger.
@@ -119,7 +135,8 @@ class _Replica:
         # counts what the replica lacked when routed. Both are upper bounds: take the smaller.
         pending = min(stats.num_prefill_tokens_pending + self.uncovered_tokens, self.booked_tokens)
         return Candidate(replica_id, matched_blocks, num_requests, pending,
-                         stats.num_free_blocks - self.uncovered_blocks, self.preemptions.count(now), num_cached_blocks)
+                         stats.num_free_blocks - self.uncovered_blocks, self.preemptions.count(now), num_cached_blocks,
+                         session_tokens, self.booked_context_tokens)
 
 
 class Router:
@@ -135,6 +152,7 @@ class Router:
         self._replicas: dict[str, _Replica] = {}
         self._bookings: dict[str, _Booking] = {}  # by request id, oldest first
         self._removed: set[str] = set()
+        self._sessions = ParkedSessions(config.session_ttl_s)
         self._decisions: Counter[str] = Counter()
 
     def choose(self, request_id: str, block_hashes: Sequence[BlockHash], candidates: Sequence[str], *,
@@ -143,7 +161,8 @@ class Router:
 
         num_prompt_tokens defaults to the chain's full blocks; routing the same request id again
         (its first replica refused it) moves its booking. A session's turns share their history's
-        prefix, which the index already follows: session_id changes nothing yet.
+        prefix, which the index already follows; session_id tells the router which sessions are
+        parked between turns, and so will come back, on each replica.
         """
         if not candidates:
             raise ValueError("no candidate replicas to route to")
@@ -154,13 +173,16 @@ class Router:
             raise ValueError(f"num_prompt_tokens={num_prompt_tokens} is fewer than the chain's "
                              f"{len(block_hashes)} full blocks of {self.block_size} tokens")
         now = self._clock()
-        self._expire_bookings(now)
+        self._expire(now)
+        previous = self._bookings.get(request_id)
         self.release(request_id)
+        session_turn = self._session_turn(previous, session_id)
         request = RequestShape(len(block_hashes), num_prompt_tokens, self.block_size)
         matched = self.index.match(block_hashes)
+        new_session = session_turn == 1
         decision = self._policy.choose(request, [
-            self._candidate(replica_id, matched.get(replica_id, 0), now) for replica_id in candidates])
-        self._book(request_id, decision, request, block_hashes, now)
+            self._candidate(replica_id, matched.get(replica_id, 0), new_session, now) for replica_id in candidates])
+        self._book(request_id, decision, request, block_hashes, now, session_id, session_turn)
         self._decisions[decision.outcome] += 1
         return decision
 
@@ -173,7 +195,8 @@ class Router:
         request = RequestShape(len(booking.block_hashes), booking.num_prompt_tokens, self.block_size)
         matched_blocks = self.index.match(booking.block_hashes).get(replica_id, 0)
         decision = RoutingDecision(replica_id, matched_blocks, "fallback")
-        self._book(request_id, decision, request, booking.block_hashes, booking.routed_at)
+        self._book(request_id, decision, request, booking.block_hashes, booking.routed_at, booking.session_id,
+                   booking.session_turn)
 
     def release(self, request_id: str) -> None:
         """The request ended without reaching its replica: roll its booking back. Unknown ids are ignored."""
@@ -214,6 +237,7 @@ class Router:
         if replica is not None:
             for request_id in replica.bookings:
                 del self._bookings[request_id]
+        self._sessions.remove_replica(replica_id)
         self.index.remove_replica(replica_id)
 
     def num_in_flight(self, replica_id: str) -> int:
@@ -230,25 +254,36 @@ class Router:
                 replicas[replica_id] = replica.snapshot
         return RouterSnapshot(self.config.policy, replicas, dict(self._decisions))
 
-    def _candidate(self, replica_id: str, matched_blocks: int, now: float) -> Candidate:
+    def _candidate(self, replica_id: str, matched_blocks: int, new_session: bool, now: float) -> Candidate:
         replica = self._replicas.get(replica_id)
         if replica is None:
             return Candidate(replica_id, matched_blocks)
-        return replica.candidate(replica_id, matched_blocks, self.index.num_blocks(replica_id), now)
+        # A new session picks the replica its later turns will follow it to: the sessions already
+        # there are its neighbours for as long as it lives.
+        parked_session_tokens = self._sessions.returning_tokens(replica_id) if new_session else None
+        return replica.candidate(replica_id, matched_blocks, self.index.num_blocks(replica_id), parked_session_tokens,
+                                 now)
+
+    def _session_turn(self, previous: _Booking | None, session_id: str | None) -> int:
+        if previous is not None:
+            return previous.session_turn  # the same turn, routed again
+        return 1 + self._sessions.arrive(session_id) if session_id is not None else 0
 
     def _book(self, request_id: str, decision: RoutingDecision, request: RequestShape,
-              block_hashes: Sequence[BlockHash], now: float) -> None:
+              block_hashes: Sequence[BlockHash], now: float, session_id: str | None, session_turn: int) -> None:
         replica = self._replica(decision.replica_id)
         booked_from = decision.matched_blocks if self.config.assume_routed_prefix_cached else None
         uncached = request.num_uncached_tokens(decision.matched_blocks)
         booking = _Booking(request_id, decision.replica_id, block_hashes, request.num_prompt_tokens, uncached,
-                           -(-uncached // self.block_size), now, replica.num_reports, booked_from)
+                           -(-uncached // self.block_size), now, replica.num_reports, booked_from, session_id,
+                           session_turn)
         if booked_from is not None:
             self.index.book(decision.replica_id, block_hashes, booked_from)
         replica.add(booking)
         self._bookings[request_id] = booking
 
-    def _expire_bookings(self, now: float) -> None:
+    def _expire(self, now: float) -> None:
+        self._sessions.expire(now)
         while self._bookings:
             booking = next(iter(self._bookings.values()))
             if now - booking.routed_at < self.config.booking_ttl_s:
@@ -267,6 +302,9 @@ class Router:
             if booking is None or booking.replica_id != replica_id:
                 continue  # routed without asking us (fallback), or already forgotten
             self.release(request.request_id)
+            if booking.session_id is not None:
+                self._sessions.park(booking.session_id, replica_id, booking.session_turn, booking.num_uncached_tokens,
+                                    self._clock())
             if request.num_cached_tokens is not None:
                 replica.snapshot.predicted_cached_tokens += booking.num_prompt_tokens - booking.num_uncached_tokens
                 replica.snapshot.actual_cached_tokens += request.num_cached_tokens

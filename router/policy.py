@@ -22,20 +22,24 @@ class PolicyConfig(pydantic.BaseModel):
     policy: Literal["prefix", "round_robin", "least_loaded"] = "prefix"
     """prefix: the cheapest replica by the token cost model; round_robin: in turn; least_loaded: power of
     two choices on outstanding requests."""
-    uncached_token_weight: float = pydantic.Field(2.0, ge=1)
+    uncached_token_weight: float = pydantic.Field(3.0, ge=1)
     """Cost per token of this request the replica does not cache. Queued tokens cost 1 (time waited);
-    the request's own uncached tokens are time waited too, and work the cluster spends on it."""
+    the request's own uncached tokens are time waited too, and work the cluster spends on it, which
+    near capacity delays every later request. 3 from benchmarks/sim_cluster.py at load 0.9: at 2 a
+    replica busy with one long prefill copied its system prompts onto idle replicas, and at 8
+    replicas the cluster cached 75% of prompt tokens against 87% for a router that never spreads."""
     step_token_budget: int = pydantic.Field(8192, ge=1)
     """The engines' max_num_batched_tokens: queued prefill beyond it takes more steps."""
     step_overhead_tokens: float = pydantic.Field(64.0, ge=0)
     """A step's fixed cost (launch, sampling, scheduling) in tokens of prefill it would take as long to compute."""
-    request_cost_tokens: float = pydantic.Field(256.0, ge=0)
+    request_cost_tokens: float = pydantic.Field(64.0, ge=0)
     """Cost of every request already running or queued on the replica: the decode work the new request
-    shares each step with and adds to, and (for sessions) the turns that will follow it there. Compared
-    with a cached prefix's savings, it sets how soon a shared prefix spreads to a less loaded replica.
-    256 from benchmarks/sim_cluster.py at load 0.9 (benchmarks/results/routing-sim.md): at 32 a few
-    agent system prompts pulled new programs onto the replicas caching them (max/mean load 3-5, TTFT
-    p99 18 s at 16 replicas against 6 s); at 512 and more chats leave their history's replica."""
+    shares each step with. 64 from benchmarks/sim_cluster.py (benchmarks/results/routing-sim.md): at
+    256, chats left their history's replica for a few requests' difference and recomputed it."""
+    context_token_weight: float = pydantic.Field(0.1, ge=0)
+    """Cost per token of context that the requests routed to the replica attend to: every decode step
+    reads them all, so a replica decoding long documents takes longer over each step the request
+    waits through. 0.1 from the simulator's document-qa workload (TTFT p50 halved against 0)."""
     memory_weight: float = pydantic.Field(1.0, ge=0)
     """Cost per token of KV cache the replica lacks for this request (free and evictable blocks below
     its uncached blocks): what it must preempt and later recompute."""
@@ -48,6 +52,14 @@ class PolicyConfig(pydantic.BaseModel):
     """Count a request's blocks as cached on its replica from the moment it is routed there, so a
     burst sharing a prefix follows the first request before the replica reports the blocks stored.
     Turn off for replicas without prefix caching."""
+    session_weight: float = pydantic.Field(16.0, ge=0)
+    """For a session's first turn, which picks the replica its later turns follow it to: cost per token
+    that the sessions the replica hosts bring per turn (those that came back at least once, in flight
+    or parked between turns, each as many uncached tokens as its last turn). A replica hosting many
+    conversations or agent programs looks idle between their turns; the new session would share its
+    every turn with them."""
+    session_ttl_s: float = pydantic.Field(30.0, gt=0)
+    """How long a session parked between turns keeps counting on its replica."""
     booking_ttl_s: float = pydantic.Field(60.0, gt=0)
     """A routed request whose finish never comes back (its caller left before it reached a replica)
     stops counting on that replica after this long."""
@@ -63,6 +75,8 @@ class Candidate:
     num_free_blocks: int | None = None  # free and evictable blocks, less those routed since; None: unknown
     recent_preemptions: int = 0         # within the last preemption_window_s
     num_cached_blocks: int = 0          # everything it caches, this request's prefix or not
+    num_session_tokens: int = 0         # for a new session: what the sessions it hosts bring per turn
+    num_context_tokens: int = 0         # prompt tokens of the requests routed to it and not finished
 
 
 @dataclass(slots=True)
@@ -102,6 +116,8 @@ class PrefixPolicy:
         num_steps = max(1.0, (queued + uncached) / max(config.step_token_budget - candidate.num_requests, 1))
         cost = (queued + config.uncached_token_weight * uncached + num_steps * config.step_overhead_tokens
                 + config.request_cost_tokens * candidate.num_requests
+                + config.session_weight * candidate.num_session_tokens
+                + config.context_token_weight * candidate.num_context_tokens
                 + config.preemption_cost_tokens * candidate.recent_preemptions)
         if candidate.num_free_blocks is not None:
             block_size = request.block_size

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 from router import PolicyConfig
 
 from .cluster import RequestRecord, Simulation
-from .pooled_lru import pooled_lru_hit_rate
+from .pooled_lru import pooled_lru
 from .replica import SimReplica
 from .report import RunMetrics, measure
 from .routers import make_router
@@ -48,8 +48,7 @@ def run(workload: str, num_replicas: int, policies: list[str], load: float, requ
     for policy in policies:
         records, replicas = simulate(programs, num_replicas, policy, step_model, spec, seed, config)
         if reference is None:
-            reference = pooled_lru_hit_rate(programs, records, num_replicas * spec.num_blocks, spec.block_size)
+            reference = pooled_lru(programs, records, num_replicas * spec.num_blocks, spec.block_size, step_model)
         preemptions = sum(replica.scheduler.num_preemptions for replica in replicas)
-        results.append(measure(workload, num_replicas, policy, records, preemptions))
-        results[-1].pooled_lru_hit_rate = reference
+        results.append(measure(workload, num_replicas, policy, records, preemptions, reference))
     return results

@@ -4,6 +4,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 
 from .cluster import RequestRecord
+from .pooled_lru import PooledReference
 
 
 @dataclass
@@ -20,19 +21,22 @@ class RunMetrics:
     queue_p99: float
     load_max_over_mean: float  # requests routed to the busiest replica / the mean
     preemptions: int
-    pooled_lru_hit_rate: float = float("nan")  # the reference: one LRU cache of all replicas' blocks
+    pooled_lru_hit_rate: float  # the reference: one LRU cache of all replicas' blocks
+    ttft_floor_p50: float       # each request alone on an idle replica holding that cache
+    ttft_floor_p99: float
 
 
 def measure(workload: str, num_replicas: int, policy: str, records: list[RequestRecord],
-            preemptions: int) -> RunMetrics:
+            preemptions: int, reference: PooledReference) -> RunMetrics:
     ttft = _percentiles([r.first_token_s - r.arrival_s for r in records])
+    floor = _percentiles(reference.ttft_floor)
     queued = _percentiles([r.scheduled_s - r.arrival_s for r in records])
     per_replica = Counter(r.replica_id for r in records)
     mean_load = len(records) / num_replicas
     return RunMetrics(workload, num_replicas, policy, len(records),
                       sum(r.num_cached_tokens for r in records) / sum(r.num_prompt_tokens for r in records),
                       ttft[50], ttft[90], ttft[99], queued[50], queued[99],
-                      max(per_replica.values()) / mean_load, preemptions)
+                      max(per_replica.values()) / mean_load, preemptions, reference.hit_rate, floor[50], floor[99])
 
 
 def _percentiles(values: list[float]) -> dict[int, float]:
@@ -95,9 +99,10 @@ def verdict(runs: list[RunMetrics]) -> list[str]:
                  and prefix.ttft_p99 <= factor * best_p99)
         lines.append(f"| {workload} | {num_replicas} | {prefix.hit_rate:.1%} vs {best_hit:.1%} | "
                      f"{prefix.ttft_p50 / best_p50:.2f}x | {prefix.ttft_p99 / best_p99:.2f}x | "
+                     f"{prefix.ttft_floor_p50 / best_p50:.2f}x | {prefix.ttft_floor_p99 / best_p99:.2f}x | "
                      f"{'≤ 0.8x' if strict else '≤ 1x'} | {'yes' if holds else '**no**'} |")
-    return ["| workload | N | prefix hit vs best baseline | TTFT p50 / best | p99 / best | needed | holds |",
-            "|---|---|---|---|---|---|---|"] + lines
+    return ["| workload | N | prefix hit vs best baseline | TTFT p50 / best | p99 / best | floor p50 / best | "
+            "floor p99 / best | needed | holds |", "|---|---|---|---|---|---|---|---|---|"] + lines
 
 
 def plot(runs: list[RunMetrics], path: str) -> None:

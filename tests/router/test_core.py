@@ -28,8 +28,12 @@ def stats(num_running: int = 0, num_waiting: int = 0, num_preemptions: int = 0, 
                           num_prefill_tokens_pending=pending, num_free_blocks=free_blocks)
 
 
+# The weights these tests work their cost arithmetic with, whatever the defaults are tuned to.
+ARITHMETIC_WEIGHTS = {"uncached_token_weight": 2.0, "context_token_weight": 0.0}
+
+
 def make_router(clock: FakeClock | None = None, seed: int = 0, **config) -> Router:
-    return Router(PolicyConfig(**config), BLOCK_SIZE, clock=clock or FakeClock(), seed=seed)
+    return Router(PolicyConfig(**ARITHMETIC_WEIGHTS | config), BLOCK_SIZE, clock=clock or FakeClock(), seed=seed)
 
 
 def publish(router: Router, replica_id: str, seq: int, events=(), finished=(), **load) -> bool:
@@ -203,6 +207,64 @@ def test_bookings_whose_finish_never_comes_expire():
     router.choose("r3", chain(3), ["b"])
     assert (router.num_in_flight("a"), router.index.match(chain(1)), router.index.match(chain(2))) == (
         1, {}, {"a": 1})
+
+
+def test_the_context_routed_requests_attend_to_counts_until_they_finish():
+    router = make_router(request_cost_tokens=0, step_overhead_tokens=0, context_token_weight=0.25,
+                         assume_routed_prefix_cached=False)
+    publish(router, "b", 1, num_running=2)  # short decodes
+    assert router.choose("long", chain(*range(100, 150)), ["a", "b"]).replica_id == "a"  # 200 tokens
+    for seq in (1, 2):  # a's reports now cover its prefill: nothing queued, one request decoding
+        publish(router, "a", seq, num_running=1)
+    # a: 2 x 8 uncached + 0.25 x 200 in flight, against 2 x 8 on b (without the context, a: fewer requests)
+    assert router.choose("r1", chain(1, 1), ["a", "b"]).replica_id == "b"
+    router.release("r1")
+    publish(router, "a", 3, finished=[FinishedRequest("long", 0)])
+    assert router.choose("r2", chain(1, 1), ["a", "b"]).replica_id == "a"
+
+
+def finish(router: Router, replica_id: str, seq: int, request_id: str, block_hashes) -> None:
+    """The replica ran the request, caching its blocks."""
+    publish(router, replica_id, seq, [stored(block_hashes)], finished=[FinishedRequest(request_id, 0)])
+
+
+SYSTEM_PROMPT = (1, 2, 3)
+
+
+def session_that_came_back(clock: FakeClock) -> Router:
+    """Session s1 ran two turns on a: from its second turn on it has shown that it comes back."""
+    router = make_router(clock, request_cost_tokens=0, step_overhead_tokens=0, session_weight=4, session_ttl_s=30.0)
+    for replica_id in "ab":
+        publish(router, replica_id, 1)
+    assert router.choose("s1/1", chain(*SYSTEM_PROMPT, 4, 5), ["a", "b"], session_id="s1").replica_id == "a"
+    finish(router, "a", 2, "s1/1", chain(*SYSTEM_PROMPT, 4, 5))
+    # the second turn brings 2 uncached blocks (8 tokens): while s1 is parked, a expects 8 more from it
+    assert router.choose("s1/2", chain(*SYSTEM_PROMPT, 4, 5, 6, 7), ["a", "b"], session_id="s1") == \
+        RoutingDecision("a", 5, "prefix_hit")
+    finish(router, "a", 3, "s1/2", chain(*SYSTEM_PROMPT, 4, 5, 6, 7))
+    return router
+
+
+def test_a_new_session_avoids_the_replica_its_parked_sessions_will_come_back_to():
+    router = session_that_came_back(FakeClock())
+    # a new session shares the system prompt with s1: 2 x 4 + 4 x 8 on a, against 2 x 16 on b
+    shared = chain(*SYSTEM_PROMPT, 60)
+    assert router.choose("s2/1", shared, ["a", "b"], session_id="s2") == RoutingDecision("b", 0, "spill")
+    # without a session, or for s1's own next turn (no longer parked once it arrives), a is cheaper
+    assert router.choose("r1", shared, ["a", "b"]).replica_id == "a"
+    router.release("r1")
+    assert router.choose("s1/3", chain(*SYSTEM_PROMPT, 4, 5, 6, 7, 8), ["a", "b"], session_id="s1") == \
+        RoutingDecision("a", 7, "prefix_hit")
+
+
+def test_a_parked_session_stops_counting_after_its_ttl():
+    clock = FakeClock()
+    router = session_that_came_back(clock)
+    new_session = chain(*SYSTEM_PROMPT, 60)
+    assert router.choose("s2/1", new_session, ["a", "b"], session_id="s2").replica_id == "b"
+    router.release("s2/1")
+    clock.now = 30.0
+    assert router.choose("s3/1", new_session, ["a", "b"], session_id="s3").replica_id == "a"
 
 
 def test_preemptions_within_the_window_turn_requests_away():

@@ -5,23 +5,27 @@ import pytest
 from router import Candidate, PolicyConfig, RequestShape, RoutingDecision, make_policy
 from router.policy import PrefixPolicy
 
+from .test_core import ARITHMETIC_WEIGHTS
+
 BLOCK = 16
 PROMPT = RequestShape(num_blocks=8, num_prompt_tokens=8 * BLOCK + 5, block_size=BLOCK)  # 133 tokens
 
 
 def prefix_policy(**config) -> PrefixPolicy:
-    return make_policy(PolicyConfig(**config), random.Random(0))
+    return make_policy(PolicyConfig(**ARITHMETIC_WEIGHTS | config), random.Random(0))
 
 
 def test_cost_adds_queued_prefill_uncached_tokens_steps_requests_and_risk():
     policy = prefix_policy(step_token_budget=100, step_overhead_tokens=10, request_cost_tokens=3,
-                           memory_weight=2, preemption_cost_tokens=7)
+                           memory_weight=2, preemption_cost_tokens=7, session_weight=0.5,
+                           context_token_weight=0.25)
     idle = Candidate("a")
     assert policy.cost(PROMPT, idle) == pytest.approx(2 * 133 + 1.33 * 10)  # more prefill than one step's budget
     busy = Candidate("a", matched_blocks=2, num_requests=4, num_prefill_tokens_pending=200, num_free_blocks=3,
-                      recent_preemptions=1)
+                      recent_preemptions=1, num_session_tokens=40, num_context_tokens=1000)
     # prefill 200 + 101 over 96 decode room: 3.135 steps; 7 uncached blocks against 3 free: 4 short
-    assert policy.cost(PROMPT, busy) == pytest.approx(200 + 2 * 101 + 301 / 96 * 10 + 4 * 3 + 2 * 4 * BLOCK + 7)
+    assert policy.cost(PROMPT, busy) == pytest.approx(200 + 2 * 101 + 301 / 96 * 10 + 4 * 3 + 2 * 4 * BLOCK + 7
+                                                      + 0.5 * 40 + 0.25 * 1000)
 
 
 def test_a_full_hit_still_computes_the_last_prompt_token():
