@@ -11,12 +11,12 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from cluster.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
+from cluster.protocol import SESSION_HEADER, APIError, ChatCompletionRequest, CompletionRequest, validation_error
 from cluster.serving import OpenAIServing, internal_error
 
 logger = logging.getLogger("ray.serve.prefixserve.api")
 
-Body = TypeVar("Body", bound=pydantic.BaseModel)
+Body = TypeVar("Body", CompletionRequest, ChatCompletionRequest)
 
 
 def build_api(serving: OpenAIServing, *, render_metrics: Callable[[], Awaitable[bytes]],
@@ -61,9 +61,12 @@ def build_api(serving: OpenAIServing, *, render_metrics: Callable[[], Awaitable[
 
 async def _parse(request: Request, model: type[Body]) -> Body:
     try:
-        return model.model_validate_json(await request.body())
+        body = model.model_validate_json(await request.body())
     except pydantic.ValidationError as exc:
         raise validation_error(exc) from None
+    if body.session_id is None:
+        body.session_id = request.headers.get(SESSION_HEADER)
+    return body
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -9,6 +9,7 @@ import pydantic
 from replica.request import SamplingParams
 
 REPLICA_HEADER = "x-prefixserve-replica"
+SESSION_HEADER = "x-session-id"  # Ray Serve's session router and AIPerf's --session-header send it
 
 
 class APIError(Exception):
@@ -63,6 +64,9 @@ class _GenerationRequest(pydantic.BaseModel):
     """Requests with different salts never share prefix-cache blocks (vLLM's extension)."""
     ignore_eos: bool = False
     """Generate max_tokens even past the end-of-sequence token (vLLM's extension, for benchmarks)."""
+    session_id: str | None = None
+    """The conversation or agent program this turn belongs to (or the X-Session-Id header): the router
+    keeps the sessions that come back in mind when it places a new one."""
 
     @pydantic.field_validator("n")
     @classmethod

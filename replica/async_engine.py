@@ -40,6 +40,7 @@ class EngineRequest:
     params: SamplingParams
     cache_salt: str | None = None
     priority: int = 0
+    session_id: str | None = None  # the conversation or agent program it is a turn of
 
 
 class EngineDeadError(RuntimeError):

@@ -26,6 +26,7 @@ class Routable(Protocol):
     request_id: str
     prompt_token_ids: list[int]
     block_hashes: list[BlockHash]
+    session_id: str | None
 
 
 class PrefixAwareRequestRouter(RequestRouter):
@@ -82,7 +83,8 @@ class PrefixAwareRequestRouter(RequestRouter):
         router = await self._router.get()
         try:
             return await router.choose.remote(request.request_id, request.block_hashes, candidates,
-                                              num_prompt_tokens=len(request.prompt_token_ids))
+                                              num_prompt_tokens=len(request.prompt_token_ids),
+                                              session_id=request.session_id)
         except RayActorError:
             self._router.reset()
             raise

@@ -91,6 +91,17 @@ def test_engine_gets_token_ids_block_hashes_and_sampling_params():
     assert sent.request_id.startswith("cmpl-")
 
 
+def test_a_session_id_reaches_the_engine_from_the_body_or_the_header():
+    engine = FakeEngineClient()
+    app = make_app(engine)
+    messages = [{"role": "user", "content": "hi"}]
+    request(app, "POST", "/v1/chat/completions", json={"model": MODEL, "messages": messages, "session_id": "body"},
+            headers={"X-Session-Id": "header"})
+    request(app, "POST", "/v1/completions", json={"model": MODEL, "prompt": "hi"}, headers={"X-Session-Id": "agent-7"})
+    request(app, "POST", "/v1/completions", json={"model": MODEL, "prompt": "hi"})
+    assert [sent.session_id for sent in engine.requests] == ["body", "agent-7", None]
+
+
 def test_completion_accepts_token_ids_and_defaults_to_16_tokens():
     engine = FakeEngineClient()
     response = request(make_app(engine), "POST", "/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3]})

@@ -11,7 +11,7 @@ from router.messages import RoutingDecision
 from router.serve_router import PrefixAwareRequestRouter
 
 DEPLOYMENT = DeploymentID("engine", "app")
-REQUEST = EngineRequest("req-1", [1, 2, 3, 4], [b"h" * 16], SamplingParams())
+REQUEST = EngineRequest("req-1", [1, 2, 3, 4], [b"h" * 16], SamplingParams(), session_id="chat-1")
 
 
 class FakeRunningReplica:
@@ -51,8 +51,8 @@ class FakeRouterActor:
     def routed(self):
         return FakeMethod(lambda request_id, replica_id: self.routed_elsewhere.append((request_id, replica_id)))
 
-    async def _choose(self, request_id, block_hashes, candidates, *, num_prompt_tokens) -> RoutingDecision:
-        self.chosen.append((request_id, block_hashes, candidates, num_prompt_tokens))
+    async def _choose(self, request_id, block_hashes, candidates, *, num_prompt_tokens, session_id) -> RoutingDecision:
+        self.chosen.append((request_id, block_hashes, candidates, num_prompt_tokens, session_id))
         if self.answer is None:
             await asyncio.Event().wait()
         if isinstance(self.answer, Exception):
@@ -111,7 +111,7 @@ def test_the_actors_choice_comes_first_then_the_others():
 
     tiers, actor, _ = run(test, "b")
     assert ids(tiers) == [["b"], ["a", "c"]]
-    assert actor.chosen == [("req-1", REQUEST.block_hashes, ["a", "b", "c"], 4)]
+    assert actor.chosen == [("req-1", REQUEST.block_hashes, ["a", "b", "c"], 4, "chat-1")]
 
 
 def test_a_request_serve_sends_to_its_second_tier_moves_its_booking():
