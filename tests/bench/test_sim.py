@@ -3,11 +3,12 @@ from collections import Counter
 
 import pytest
 
-from benchmarks.sim.cluster import Simulation
+from benchmarks.sim.cluster import RequestRecord, Simulation
+from benchmarks.sim.pooled_lru import pooled_lru
 from benchmarks.sim.replica import SimReplica
 from benchmarks.sim.routers import make_router
 from benchmarks.sim.step_model import StepModel
-from benchmarks.sim.workloads import assign_starts, make_workload
+from benchmarks.sim.workloads import Program, Turn, assign_starts, make_workload
 
 BLOCK_SIZE = 16
 STEP_MODEL = StepModel(a=0.01, b=2e-4, c=1e-3, d=1e-6)  # fixed, so the test does not follow calibrations
@@ -62,3 +63,15 @@ def test_runs_are_deterministic():
     first = [(r.request_id, r.replica_id, r.first_token_s, r.num_cached_tokens) for r in simulate("prefix")[1]]
     second = [(r.request_id, r.replica_id, r.first_token_s, r.num_cached_tokens) for r in simulate("prefix")[1]]
     assert first == second
+
+
+def test_pooled_reference_counts_shared_blocks_and_floors_each_ttft_at_its_uncached_prefill():
+    shared = list(range(1000, 1032))  # two full blocks both prompts start with
+    programs = [Program("a", [Turn(shared + list(range(2000, 2016)), [7, 8])]),
+                Program("b", [Turn(shared + list(range(3000, 3016)), [9])])]
+    records = [RequestRecord("b/0", "b", "r0", 1.0, 48), RequestRecord("a/0", "a", "r1", 0.0, 48)]
+    reference = pooled_lru(programs, records, num_blocks=8, block_size=BLOCK_SIZE,
+                           step_model=StepModel(a=0.1, b=0.01, c=0.0, d=0.0))
+    # in arrival order: a finds nothing; b finds the two shared blocks, 32 of its 48 tokens
+    assert reference.hit_rate == pytest.approx(32 / 96)
+    assert reference.ttft_floor == pytest.approx([0.1 + 0.01 * 48, 0.1 + 0.01 * 16])
