@@ -19,14 +19,14 @@ class EngineReplica:
         self.replica_id = context.replica_id.unique_id
         core = await asyncio.to_thread(EngineCore, config.engine)  # loads the model: seconds
         self._publisher = RouterPublisher(
-            self.replica_id, RouterClient(context.app_name, config.policy, core.config.block_size))
+            self.replica_id, RouterClient(context.app_name, config.routing_config, core.config.cache.block_size))
         self._engine = AsyncEngine(core, after_step=functools.partial(self._publisher.publish, core))
 
     def model_info(self) -> ModelInfo:
         core = self._engine.core
         return ModelInfo(name=core.model_name, max_model_len=core.max_model_len,
-                         vocab_size=core.model_config.vocab_size, block_size=core.config.block_size,
-                         hash_seed=core.config.hash_seed)
+                         vocab_size=core.model_config.vocab_size, block_size=core.config.cache.block_size,
+                         hash_seed=core.config.cache.hash_seed)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[str | EngineOutput]:
         """This replica's id, then the request's outputs; a caller going away aborts the request."""

