@@ -56,3 +56,10 @@ def test_engine_and_router_cores_load_no_serving_stack(modules, forbidden):
             f"print(json.dumps(sorted(m for m in {forbidden!r} if m in sys.modules)))")
     loaded = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert json.loads(loaded.stdout) == []
+
+
+def test_importing_the_config_creates_no_metrics():
+    code = ("import cluster.config, prometheus_client\n"
+            "print([m.name for m in prometheus_client.REGISTRY.collect() if 'prefixserve' in m.name])")
+    loaded = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert loaded.stdout.strip() == "[]"

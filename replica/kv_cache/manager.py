@@ -48,6 +48,14 @@ class KVCacheManager:
         if not self.enable_caching:
             return self._no_blocks, 0
         self.update_block_hashes(request)
+        hits = self._cached_prefix(request)
+        return KVCacheBlocks(hits), len(hits) * self.block_size
+
+    def num_cached_prefix_tokens(self, request: Request) -> int:
+        """What get_computed_blocks would find now over the request's current block hashes; no side effects."""
+        return len(self._cached_prefix(request)) * self.block_size if self.enable_caching else 0
+
+    def _cached_prefix(self, request: Request) -> list[KVCacheBlock]:
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hits = []
         for block_hash in request.block_hashes[:max_hit_blocks]:
@@ -55,7 +63,7 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        return KVCacheBlocks(hits), len(hits) * self.block_size
+        return hits
 
     def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks: KVCacheBlocks | None = None,

@@ -59,6 +59,7 @@ class Scheduler:
             raise ValueError(
                 f"request {request.request_id!r}: prompt of {request.num_prompt_tokens} tokens leaves no room "
                 f"to generate within max_model_len={self.config.max_model_len}")
+        self.kv_cache_manager.update_block_hashes(request)
         self.waiting.add(request)
         self.requests[request.request_id] = request
 
@@ -261,6 +262,11 @@ class Scheduler:
             num_prefill_tokens_pending=sum(map(_prefill_tokens_pending, itertools.chain(self.running, self.waiting))),
             num_free_blocks=self.kv_cache_manager.block_pool.get_num_free_blocks(),
         )
+
+    def num_waiting_uncached_tokens(self) -> int:
+        """Tokens the waiting requests will compute: all beyond the prefix the cache holds now."""
+        kv = self.kv_cache_manager
+        return sum(request.num_tokens - kv.num_cached_prefix_tokens(request) for request in self.waiting)
 
     def _record_trace(self, plan: _StepPlan) -> None:
         pool = self.kv_cache_manager.block_pool
