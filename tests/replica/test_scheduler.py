@@ -270,3 +270,13 @@ def test_watermark_holds_back_admissions_but_not_the_first(make_request):
     output, _ = step(scheduler)
     assert output.num_scheduled_tokens == {"a": 28, "b": 4}
     assert [r.request_id for r in scheduler.waiting] == ["c"]
+
+
+def test_running_requests_grow_into_the_watermark(make_request):
+    scheduler = make_scheduler(num_blocks=11, block_size=4, watermark=0.2)  # 10 usable, 2 reserved
+    scheduler.add_request(make_request("a", list(range(32))))  # 8 blocks: alone, no watermark
+    step(scheduler)
+    scheduler.add_request(make_request("b", list(range(100, 104))))  # 1 block: 1 free - 2 reserved after a's
+    output, _ = step(scheduler)
+    assert output.num_scheduled_tokens == {"a": 1}  # a's 9th block leaves 1 free, below the watermark
+    assert (scheduler.num_preemptions, [r.request_id for r in scheduler.waiting]) == (0, ["b"])
