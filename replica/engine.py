@@ -175,28 +175,13 @@ class EngineCore:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None) -> None:
         """Queue a request; ValueError (and nothing queued) on bad input."""
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError("request_id must be a non-empty string")
-        if request_id in self._requests:
-            raise ValueError(f"duplicate request id {request_id!r}")
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        self._check_prompt(prompt_token_ids)
         request = Request(request_id, prompt_token_ids, params, priority=priority, arrival_time=arrival_time,
                           cache_salt=cache_salt, eos_token_id=self.tokenizer.eos_token_id)
+        if max(request.prompt_token_ids) >= self.model_config.vocab_size:
+            raise ValueError(f"prompt token ids must be integers in [0, {self.model_config.vocab_size})")
         self.scheduler.add_request(request)
         self._requests[request_id] = _RequestRecord(
             request, IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop))
-
-    def _check_prompt(self, prompt_token_ids: list[int]) -> None:
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
-        vocab_size = self.model_config.vocab_size
-        if not all(isinstance(token, int) and 0 <= token < vocab_size for token in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; max_model_len is "
-                             f"{self.max_model_len}, which leaves no room to generate")
 
     def step(self) -> list[EngineOutput]:
         """One schedule + execute + update; requests that produced tokens report them."""

@@ -280,3 +280,14 @@ def test_running_requests_grow_into_the_watermark(make_request):
     output, _ = step(scheduler)
     assert output.num_scheduled_tokens == {"a": 1}  # a's 9th block leaves 1 free, below the watermark
     assert (scheduler.num_preemptions, [r.request_id for r in scheduler.waiting]) == (0, ["b"])
+
+
+@pytest.mark.parametrize("request_id, prompt, params, message", [
+    ("", [1], SamplingParams(), "request_id must be a non-empty string"),
+    ("a", [1, -2], SamplingParams(), "non-negative integers"),
+    ("a", [1, 2.0], SamplingParams(), "non-negative integers"),
+    ("a", [1], {"max_tokens": 4}, "sampling_params must be SamplingParams"),
+])
+def test_request_construction_is_the_one_input_check(request_id, prompt, params, message):
+    with pytest.raises(ValueError, match=message):
+        Request(request_id, prompt, params)
