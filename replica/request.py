@@ -13,7 +13,9 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
-    FINISHED_IGNORED = enum.auto()
+    FINISHED_IGNORED = enum.auto()  # could never run: larger than the KV cache, or than a step unchunked
+    # Never set: a step that fails has already put its blocks in the prefix cache unwritten, so the
+    # engine stops (AsyncEngine's EngineDeadError) instead of finishing requests with an error and serving on.
     FINISHED_ERROR = enum.auto()
 
     @staticmethod

@@ -37,6 +37,10 @@ class KVCacheManager:
                 request.all_token_ids, self.block_size, cache_salt=request.cache_salt,
                 seed=self.hash_seed, parent_hashes=request.block_hashes))
 
+    def fits_when_alone(self, request: Request) -> bool:
+        """Whether the request's tokens (up to max_model_len) fit the pool, the null block aside."""
+        return -(-min(request.num_tokens, self.max_model_len) // self.block_size) < self.num_blocks
+
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
         """The longest chain of cached full blocks, leaving at least one token to compute."""
         if not self.enable_caching:

@@ -47,6 +47,7 @@ class Scheduler:
         self.waiting = create_request_queue(config.policy)
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # since the last schedule()
+        self._ignored: list[RequestOutput] = []  # requests that can never run, reported by the next update
         self.num_preemptions = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -103,6 +104,9 @@ class Scheduler:
             request = self.waiting.peek()
             computed_blocks, num_computed_tokens = kv.get_computed_blocks(request)
             num_new_tokens = self._num_new_tokens(request, num_computed_tokens)
+            if self._can_never_run(request, num_new_tokens):
+                self._ignore(request)
+                continue
             if num_new_tokens > plan.token_budget:
                 if not self.config.enable_chunked_prefill:
                     break  # the whole prompt must go in one step, and it does not fit this one
@@ -116,6 +120,18 @@ class Scheduler:
             group = plan.resumed if request.status == RequestStatus.PREEMPTED else plan.new
             self._admit(request, num_computed_tokens, plan)
             plan.add(group, request, num_new_tokens, kv.get_block_ids(request.request_id))
+
+    def _can_never_run(self, request: Request, num_new_tokens: int) -> bool:
+        """Too big for the whole KV cache, or for a whole step when prefills may not be chunked."""
+        return not self.kv_cache_manager.fits_when_alone(request) or (
+            not self.config.enable_chunked_prefill and num_new_tokens > self.config.max_num_batched_tokens)
+
+    def _ignore(self, request: Request) -> None:
+        """Finish a request that would stall the queue forever, as vLLM does (FINISHED_IGNORED)."""
+        self.waiting.pop()
+        request.status = RequestStatus.FINISHED_IGNORED
+        self._free_request(request)
+        self._ignored.append(RequestOutput(request.request_id, [], True, request.get_finished_reason()))
 
     def _watermark_blocks(self, plan: _StepPlan) -> int:
         """Blocks an admission must leave free: the watermark, once anything is scheduled this step.
@@ -182,7 +198,7 @@ class Scheduler:
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_output: ModelRunnerOutput) -> list[RequestOutput]:
-        outputs = []
+        outputs, self._ignored = self._ignored, []
         stopped: set[Request] = set()
         requests = self.requests
         update_block_hashes = self.kv_cache_manager.update_block_hashes
