@@ -17,9 +17,8 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
     num_tokens, num_kv_heads, head_dim = key.shape
     size = key.element_size()
     load().write_kv_cache(  # strides in bytes
-        key=key.data_ptr(), value=value.data_ptr(), key_cache=key_cache.data_ptr(), value_cache=value_cache.data_ptr(),
-        slot_mapping=slot_mapping.data_ptr(), num_tokens=num_tokens, num_kv_heads=num_kv_heads,
-        head_bytes=head_dim * size, block_size=key_cache.shape[1],
+        key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping,
+        num_tokens=num_tokens, num_kv_heads=num_kv_heads, head_bytes=head_dim * size, block_size=key_cache.shape[1],
         stride_key_token=key.stride(0) * size, stride_key_head=key.stride(1) * size,
         stride_value_token=value.stride(0) * size, stride_value_head=value.stride(1) * size,
         stride_cache_block=key_cache.stride(0) * size, stride_cache_slot=key_cache.stride(1) * size,

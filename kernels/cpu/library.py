@@ -36,10 +36,12 @@ class BuildError(RuntimeError):
 
 
 class Kernel:
-    """One extern "C" function of the library, called with its C parameter names as keywords."""
+    """One extern "C" function of the library, called with its C parameter names as keywords;
+    a tensor given for a pointer parameter passes its data pointer."""
 
     def __init__(self, function: ctypes._CFuncPtr, restype: str, params: list[tuple[str, str]]):
         self.name, self.arg_names = function.__name__, [name for _, name in params]
+        self._pointers = {name for c_type, name in params if "*" in c_type}
         function.restype = _C_TYPES[restype]
         function.argtypes = [ctypes.c_void_p if "*" in c_type else _C_TYPES[c_type] for c_type, _ in params]
         self._function = function
@@ -48,7 +50,8 @@ class Kernel:
         if args.keys() != set(self.arg_names):
             raise TypeError(f"{self.name} takes {self.arg_names}; missing {sorted(set(self.arg_names) - args.keys())}, "
                             f"unknown {sorted(args.keys() - set(self.arg_names))}")
-        return self._function(*(args[name] for name in self.arg_names))
+        return self._function(*(args[name].data_ptr() if name in self._pointers and args[name] is not None
+                                else args[name] for name in self.arg_names))
 
 
 @functools.cache

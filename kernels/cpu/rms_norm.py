@@ -20,8 +20,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     out = torch.empty(x.shape, dtype=x.dtype)
     new_residual = None if residual is None else torch.empty(x.shape, dtype=x.dtype)
     load().rms_norm(
-        dtype=code, out=out.data_ptr(), new_residual=None if residual is None else new_residual.data_ptr(),
-        x=x.data_ptr(), residual=None if residual is None else residual.data_ptr(), weight=weight.data_ptr(),
-        num_tokens=num_tokens, hidden_size=hidden_size, stride_x=x.stride(0),
-        stride_residual=0 if residual is None else residual.stride(0), eps=eps)
+        dtype=code, out=out, new_residual=new_residual, x=x, residual=residual, weight=weight, num_tokens=num_tokens,
+        hidden_size=hidden_size, stride_x=x.stride(0), stride_residual=0 if residual is None else residual.stride(0),
+        eps=eps)
     return out if residual is None else (out, new_residual)

@@ -16,9 +16,8 @@ def apply_rotary(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor
     query_out = torch.empty(query.shape, dtype=query.dtype)
     key_out = torch.empty(key.shape, dtype=key.dtype)
     load().apply_rotary(
-        dtype=dtype_code(query, key), query_out=query_out.data_ptr(), key_out=key_out.data_ptr(),
-        query=query.data_ptr(), key=key.data_ptr(), positions=positions.data_ptr(),
-        cos_sin_cache=cos_sin_cache.data_ptr(), num_tokens=num_tokens, num_heads=num_heads,
-        num_kv_heads=key.shape[1], head_dim=head_dim, stride_query_token=query.stride(0),
-        stride_query_head=query.stride(1), stride_key_token=key.stride(0), stride_key_head=key.stride(1))
+        dtype=dtype_code(query, key), query_out=query_out, key_out=key_out, query=query, key=key, positions=positions,
+        cos_sin_cache=cos_sin_cache, num_tokens=num_tokens, num_heads=num_heads, num_kv_heads=key.shape[1],
+        head_dim=head_dim, stride_query_token=query.stride(0), stride_query_head=query.stride(1),
+        stride_key_token=key.stride(0), stride_key_head=key.stride(1))
     return query_out, key_out
