@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace):
     """ClusterConfig from parsed `serve` arguments; pydantic.ValidationError on bad values."""
-    from cluster.config import API_KEY_ENV, ClusterConfig  # imports the engine (torch): not for --help
+    from cluster.config import API_KEY_ENV, ClusterConfig  # imports ray: not for --help
 
     engine = {
         "model": args.model, "served_model_name": args.served_model_name, "dtype": args.dtype,

@@ -5,7 +5,7 @@ from typing import Literal
 import pydantic
 
 from cluster.autoscaling import AutoscalingSettings
-from replica.engine import EngineConfig
+from replica.config import EngineConfig
 from router.policy import PolicyConfig
 
 API_KEY_ENV = "PREFIXSERVE_API_KEY"

@@ -15,7 +15,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from cluster.autoscaling import AutoscalingSettings, PolicyKwargs
 from cluster.config import ClusterConfig
-from replica.engine import CacheConfig, EngineConfig
+from replica.config import CacheConfig, EngineConfig
 from replica.scheduler import SchedulerConfig
 
 CHART = Path(__file__).parents[1] / "helm" / "prefixserve"
