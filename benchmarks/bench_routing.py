@@ -193,7 +193,7 @@ def deploy_and_run(args: argparse.Namespace, turns: list[Turn]) -> list[Result]:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         for policy in args.policies:
             engine = {"num_kv_blocks": args.num_kv_blocks, "max_model_len": args.max_model_len}
-            config = ClusterConfig(engine=engine, num_replicas=args.replicas, routing_policy=policy,
+            config = ClusterConfig(engine=engine, num_replicas=args.replicas, routing=policy,
                                    replica_num_cpus=min(1.0, num_cpus / args.replicas))
             serve.run(build(config), name=APP_NAME, route_prefix="/")
             results.append(asyncio.run(run_workload(f"http://127.0.0.1:{port}", policy, turns, args)))

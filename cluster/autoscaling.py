@@ -14,16 +14,19 @@ two lies a dead band where the policy holds, so a signal that flaps does not
 make the fleet flap.
 """
 
+import functools
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import prometheus_client
 import ray.util.metrics
 from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat,
                       PositiveInt, field_validator, model_validator)
+
+from replica.async_engine import ReplicaStats
 
 POLICY_IMPORT_PATH = "cluster.autoscaling:preemption_policy"
 # Replicas record their stats every METRICS_INTERVAL_S and push them as often (the field is
@@ -65,7 +68,10 @@ class DecisionMetrics:
         self._ray_decisions.inc(tags={"deployment": deployment, "direction": direction, "reason": reason})
 
 
-METRICS = DecisionMetrics()
+@functools.cache
+def decision_metrics() -> DecisionMetrics:
+    """Created on the first decision, not at import: configs import this module everywhere."""
+    return DecisionMetrics()
 
 
 class PolicyKwargs(BaseModel):
@@ -150,11 +156,15 @@ class FleetSignals:
 
     @classmethod
     def from_metrics(cls, metrics: Mapping[str, Mapping[Any, float]]) -> "FleetSignals":
+        """metrics: Serve's aggregated_metrics, ReplicaStats field -> replica id -> value."""
+        replicas = {rid.unique_id: ReplicaStats(**{f.name: metrics.get(f.name, {}).get(rid, 0)
+                                                   for f in fields(ReplicaStats)})
+                    for rid in metrics.get("num_preemptions", {})}
         return cls(
-            preemptions={rid.unique_id: n for rid, n in metrics.get("num_preemptions", {}).items()},
-            kv_cache_usage=sum(metrics.get("kv_cache_usage", {}).values()),
-            num_waiting=sum(metrics.get("num_waiting", {}).values()),
-            num_waiting_uncached_tokens=sum(metrics.get("num_waiting_uncached_tokens", {}).values()),
+            preemptions={rid: stats.num_preemptions for rid, stats in replicas.items()},
+            kv_cache_usage=sum(stats.kv_cache_usage for stats in replicas.values()),
+            num_waiting=sum(stats.num_waiting for stats in replicas.values()),
+            num_waiting_uncached_tokens=sum(stats.num_waiting_uncached_tokens for stats in replicas.values()),
         )
 
     @property
@@ -286,11 +296,12 @@ def _report(ctx: Any, state: PolicyState, signals: FleetSignals, target: int, re
         return
     state.last_target, state.last_reason = target, reason
     deployment = ctx.deployment_name
-    METRICS.set_target(deployment, target)
+    metrics = decision_metrics()
+    metrics.set_target(deployment, target)
     current = ctx.target_num_replicas
     direction = "up" if target > current else "down" if target < current else "hold"
     change = f"{current} -> {target}" if target != current else f"at {target}"
-    METRICS.count_decision(deployment, direction, reason)
+    metrics.count_decision(deployment, direction, reason)
     level = logging.DEBUG if direction == "hold" else logging.INFO
     logger.log(level, "autoscaling %s: %s %s replicas (%s); preemption rate %.3g/s per replica, %d waiting, "
                "%d waiting uncached tokens, KV usage sum %.2f", deployment, direction, change, reason,

@@ -58,21 +58,23 @@ def build_parser() -> argparse.ArgumentParser:
     scheduler.add_argument("--max-model-len", type=int, help="longest prompt + output (default: the model's context)")
     scheduler.add_argument("--long-prefill-token-threshold", type=int, default=0,
                            help="prefill chunk cap for long prompts (default: %(default)s, off)")
-    scheduler.add_argument("--policy", choices=["fcfs", "priority"], default="fcfs", help="waiting queue order (default: %(default)s)")
+    scheduler.add_argument("--queue-policy", "--policy", choices=["fcfs", "priority"], default="fcfs",
+                           help="waiting queue order (default: %(default)s)")
     return parser
 
 
 def config_from_args(args: argparse.Namespace):
     """ClusterConfig from parsed `serve` arguments; pydantic.ValidationError on bad values."""
-    from cluster.config import API_KEY_ENV, ClusterConfig  # imports the engine (torch): not for --help
+    from cluster.config import API_KEY_ENV, ClusterConfig  # imports ray: not for --help
 
     engine = {
         "model": args.model, "served_model_name": args.served_model_name, "dtype": args.dtype,
-        "device": args.device, "block_size": args.block_size, "num_kv_blocks": args.num_kv_blocks,
-        "kv_cache_memory_gib": args.kv_cache_gib, "enable_prefix_caching": not args.no_prefix_caching,
-        "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-        "max_model_len": args.max_model_len, "long_prefill_token_threshold": args.long_prefill_token_threshold,
-        "policy": args.policy,
+        "device": args.device, "max_model_len": args.max_model_len,
+        "cache": {"block_size": args.block_size, "num_kv_blocks": args.num_kv_blocks,
+                  "kv_cache_memory_gib": args.kv_cache_gib, "enable_prefix_caching": not args.no_prefix_caching},
+        "scheduler": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+                      "long_prefill_token_threshold": args.long_prefill_token_threshold,
+                      "policy": args.queue_policy},
     }
     autoscaling = None
     if args.autoscale:
@@ -80,7 +82,7 @@ def config_from_args(args: argparse.Namespace):
         autoscaling = {"min_replicas": min_replicas, "max_replicas": max_replicas,
                        "initial_replicas": min(max(args.replicas, min_replicas), max_replicas)}
     return ClusterConfig(engine=engine, num_replicas=args.replicas, autoscaling=autoscaling,
-                         routing_policy=args.routing_policy, api_key=args.api_key or os.environ.get(API_KEY_ENV),
+                         routing=args.routing_policy, api_key=args.api_key or os.environ.get(API_KEY_ENV),
                          replica_num_cpus=args.replica_cpus, replica_num_gpus=args.replica_gpus)
 
 

@@ -5,7 +5,7 @@ from typing import Literal
 import pydantic
 
 from cluster.autoscaling import AutoscalingSettings
-from replica.engine import EngineConfig
+from replica.config import EngineConfig
 from router.policy import PolicyConfig
 
 API_KEY_ENV = "PREFIXSERVE_API_KEY"
@@ -17,7 +17,7 @@ class ClusterConfig(pydantic.BaseModel):
     engine: EngineConfig = pydantic.Field(default_factory=EngineConfig)
     num_replicas: int = pydantic.Field(2, ge=1)
     autoscaling: AutoscalingSettings | None = None  # None: a fixed num_replicas
-    routing_policy: Literal["prefix", "round_robin", "least_loaded"] = "prefix"
+    routing: Literal["prefix", "round_robin", "least_loaded"] = "prefix"  # how the router picks a replica
     api_key: str | None = None  # None: PREFIXSERVE_API_KEY from the ingress's environment, if set
     replica_num_cpus: float = pydantic.Field(1.0, ge=0)
     replica_num_gpus: float = pydantic.Field(0.0, ge=0)
@@ -25,8 +25,8 @@ class ClusterConfig(pydantic.BaseModel):
     router_timeout_s: float = pydantic.Field(0.2, gt=0)
 
     @property
-    def policy(self) -> PolicyConfig:
-        return PolicyConfig(policy=self.routing_policy)
+    def routing_config(self) -> PolicyConfig:
+        return PolicyConfig(policy=self.routing)
 
     def resolved_api_key(self) -> str | None:
         return self.api_key or os.environ.get(API_KEY_ENV) or None

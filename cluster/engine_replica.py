@@ -8,7 +8,7 @@ from ray import serve
 
 from cluster.config import ClusterConfig
 from cluster.publisher import RouterPublisher
-from replica.async_engine import AsyncEngine, EngineRequest, ModelInfo
+from replica.async_engine import AsyncEngine, EngineRequest, ModelInfo, ReplicaStats
 from replica.engine import EngineCore, EngineOutput
 from router.actor import RouterClient
 
@@ -19,14 +19,14 @@ class EngineReplica:
         self.replica_id = context.replica_id.unique_id
         core = await asyncio.to_thread(EngineCore, config.engine)  # loads the model: seconds
         self._publisher = RouterPublisher(
-            self.replica_id, RouterClient(context.app_name, config.policy, core.config.block_size))
+            self.replica_id, RouterClient(context.app_name, config.routing_config, core.config.cache.block_size))
         self._engine = AsyncEngine(core, after_step=functools.partial(self._publisher.publish, core))
 
     def model_info(self) -> ModelInfo:
         core = self._engine.core
         return ModelInfo(name=core.model_name, max_model_len=core.max_model_len,
-                         vocab_size=core.model_config.vocab_size, block_size=core.config.block_size,
-                         hash_seed=core.config.hash_seed)
+                         vocab_size=core.model_config.vocab_size, block_size=core.config.cache.block_size,
+                         hash_seed=core.config.cache.hash_seed)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[str | EngineOutput]:
         """This replica's id, then the request's outputs; a caller going away aborts the request."""
@@ -43,7 +43,7 @@ class EngineReplica:
         return dataclasses.asdict(await self._engine.call(EngineCore.stats))
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        return await self._engine.call(autoscaling_stats)
+        return dataclasses.asdict(await self._engine.call(ReplicaStats.of))
 
     def check_health(self) -> None:
         if self._engine.error is not None:
@@ -52,18 +52,3 @@ class EngineReplica:
     async def __del__(self) -> None:
         await self._engine.shutdown()
 
-
-def autoscaling_stats(core: EngineCore) -> dict[str, float]:
-    """What cluster.autoscaling.preemption_policy reads from every replica."""
-    stats = core.stats()
-    return {"num_preemptions": stats.num_preemptions, "kv_cache_usage": stats.kv_usage,
-            "num_waiting": stats.num_waiting, "num_waiting_uncached_tokens": waiting_uncached_tokens(core)}
-
-
-def waiting_uncached_tokens(core: EngineCore) -> int:
-    """Tokens the waiting requests will have to compute: all of theirs beyond a cached prefix."""
-    total = 0
-    for request in core.scheduler.waiting:
-        _, num_cached_tokens = core.kv_cache_manager.get_computed_blocks(request)
-        total += request.num_tokens - num_cached_tokens
-    return total

@@ -46,7 +46,7 @@ class Ingress:
     async def __init__(self, engine: DeploymentHandle, config: ClusterConfig):
         model, checkpoint = await asyncio.gather(
             engine.model_info.remote(), asyncio.to_thread(load_checkpoint, config.engine.model))
-        self._router = RouterClient(serve.get_replica_context().app_name, config.policy, model.block_size)
+        self._router = RouterClient(serve.get_replica_context().app_name, config.routing_config, model.block_size)
         self._metrics = ServingMetrics()
         self._serving = OpenAIServing(ServeEngineClient(engine), checkpoint.tokenizer, model, self._metrics)
         self._api_key = config.resolved_api_key()

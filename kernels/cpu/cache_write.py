@@ -16,8 +16,10 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
     slot_mapping = slot_mapping.to(torch.int64).contiguous()
     num_tokens, num_kv_heads, head_dim = key.shape
     size = key.element_size()
-    load().prefixserve_write_kv_cache(
-        key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), slot_mapping.data_ptr(),
-        num_tokens, num_kv_heads, head_dim * size, key_cache.shape[1],
-        *(stride * size for stride in (key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-                                       key_cache.stride(0), key_cache.stride(1), key_cache.stride(2))))
+    load().write_kv_cache(  # strides in bytes
+        key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping,
+        num_tokens=num_tokens, num_kv_heads=num_kv_heads, head_bytes=head_dim * size, block_size=key_cache.shape[1],
+        stride_key_token=key.stride(0) * size, stride_key_head=key.stride(1) * size,
+        stride_value_token=value.stride(0) * size, stride_value_head=value.stride(1) * size,
+        stride_cache_block=key_cache.stride(0) * size, stride_cache_slot=key_cache.stride(1) * size,
+        stride_cache_head=key_cache.stride(2) * size)

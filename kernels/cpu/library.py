@@ -11,10 +11,12 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -24,23 +26,38 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC"]
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # csrc/common.h DType
 HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # the head dims csrc/attention.cpp instantiates
 
-_INT, _PTR, _FLOAT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-_SIGNATURES = {  # name -> (restype, argtypes)
-    "prefixserve_paged_attention": (ctypes.c_int, [_INT, *[_PTR] * 7, *[_INT] * 13, _FLOAT]),
-    "prefixserve_write_kv_cache": (None, [*[_PTR] * 5, *[_INT] * 11]),
-    "prefixserve_rms_norm": (None, [_INT, *[_PTR] * 5, *[_INT] * 4, _FLOAT]),
-    "prefixserve_apply_rotary": (None, [_INT, *[_PTR] * 6, *[_INT] * 8]),
-    "prefixserve_silu_and_mul": (None, [_INT, _PTR, _PTR, *[_INT] * 3]),
-}
+# The C types the kernels' extern "C" declarations use; any pointer binds as void*.
+_C_TYPES = {"int64_t": ctypes.c_int64, "int": ctypes.c_int, "float": ctypes.c_float, "void": None}
+_DECLARATION = re.compile(r'extern "C" (\w+) prefixserve_(\w+)\(([^)]*)\)')
 
 
 class BuildError(RuntimeError):
     """The CPU kernels cannot be built here (no C++ compiler, or it failed)."""
 
 
+class Kernel:
+    """One extern "C" function of the library, called with its C parameter names as keywords;
+    a tensor given for a pointer parameter passes its data pointer."""
+
+    def __init__(self, function: ctypes._CFuncPtr, restype: str, params: list[tuple[str, str]]):
+        self.name, self.arg_names = function.__name__, [name for _, name in params]
+        self._pointers = {name for c_type, name in params if "*" in c_type}
+        function.restype = _C_TYPES[restype]
+        function.argtypes = [ctypes.c_void_p if "*" in c_type else _C_TYPES[c_type] for c_type, _ in params]
+        self._function = function
+
+    def __call__(self, **args):
+        if args.keys() != set(self.arg_names):
+            raise TypeError(f"{self.name} takes {self.arg_names}; missing {sorted(set(self.arg_names) - args.keys())}, "
+                            f"unknown {sorted(args.keys() - set(self.arg_names))}")
+        return self._function(*(args[name].data_ptr() if name in self._pointers and args[name] is not None
+                                else args[name] for name in self.arg_names))
+
+
 @functools.cache
-def load() -> ctypes.CDLL:
-    """The kernel library, built first if this machine has no up-to-date copy; BuildError if it cannot be."""
+def load() -> SimpleNamespace:
+    """The kernels (paged_attention, rms_norm, ...), built first if this machine has no up-to-date
+    copy; BuildError if they cannot be. Each binds the signature its csrc/*.cpp declaration states."""
     candidates = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "c++"]
     compiler = next(filter(None, map(shutil.which, candidates)), None)
     if compiler is None:
@@ -50,10 +67,24 @@ def load() -> ctypes.CDLL:
     if not path.exists():
         _build(compiler, sources, path)
     lib = ctypes.CDLL(str(path))
-    for name, (restype, argtypes) in _SIGNATURES.items():
-        function = getattr(lib, name)
-        function.restype, function.argtypes = restype, argtypes
-    return lib
+    return SimpleNamespace(**{name: Kernel(getattr(lib, f"prefixserve_{name}"), restype, params)
+                              for name, (restype, params) in declarations(sources).items()})
+
+
+def declarations(sources: list[Path]) -> dict[str, tuple[str, list[tuple[str, str]]]]:
+    """name -> (return type, [(C type, parameter name)]) of every extern "C" kernel in the sources."""
+    found = {}
+    for source in sources:
+        for restype, name, params in _DECLARATION.findall(source.read_text()):
+            found[name] = (restype, [_split_param(param) for param in params.split(",")])
+    return found
+
+
+def _split_param(param: str) -> tuple[str, str]:
+    c_type, name = " ".join(param.split()).removeprefix("const ").rsplit(" ", 1)
+    if "*" not in c_type and c_type not in _C_TYPES:
+        raise TypeError(f"no ctypes binding for the C type {c_type!r} of parameter {name!r}")
+    return c_type, name
 
 
 def available() -> bool:

@@ -19,8 +19,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     num_tokens, hidden_size = x.shape
     out = torch.empty(x.shape, dtype=x.dtype)
     new_residual = None if residual is None else torch.empty(x.shape, dtype=x.dtype)
-    load().prefixserve_rms_norm(
-        code, out.data_ptr(), None if residual is None else new_residual.data_ptr(), x.data_ptr(),
-        None if residual is None else residual.data_ptr(), weight.data_ptr(), num_tokens, hidden_size,
-        x.stride(0), 0 if residual is None else residual.stride(0), eps)
+    load().rms_norm(
+        dtype=code, out=out, new_residual=new_residual, x=x, residual=residual, weight=weight, num_tokens=num_tokens,
+        hidden_size=hidden_size, stride_x=x.stride(0), stride_residual=0 if residual is None else residual.stride(0),
+        eps=eps)
     return out if residual is None else (out, new_residual)

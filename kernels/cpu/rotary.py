@@ -15,8 +15,9 @@ def apply_rotary(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor
     cos_sin_cache = cos_sin_cache.to(torch.float32).contiguous()
     query_out = torch.empty(query.shape, dtype=query.dtype)
     key_out = torch.empty(key.shape, dtype=key.dtype)
-    load().prefixserve_apply_rotary(
-        dtype_code(query, key), query_out.data_ptr(), key_out.data_ptr(), query.data_ptr(), key.data_ptr(),
-        positions.data_ptr(), cos_sin_cache.data_ptr(), num_tokens, num_heads, key.shape[1], head_dim,
-        query.stride(0), query.stride(1), key.stride(0), key.stride(1))
+    load().apply_rotary(
+        dtype=dtype_code(query, key), query_out=query_out, key_out=key_out, query=query, key=key, positions=positions,
+        cos_sin_cache=cos_sin_cache, num_tokens=num_tokens, num_heads=num_heads, num_kv_heads=key.shape[1],
+        head_dim=head_dim, stride_query_token=query.stride(0), stride_query_head=query.stride(1),
+        stride_key_token=key.stride(0), stride_key_head=key.stride(1))
     return query_out, key_out

@@ -47,6 +47,7 @@ class Scheduler:
         self.waiting = create_request_queue(config.policy)
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # since the last schedule()
+        self._ignored: list[RequestOutput] = []  # requests that can never run, reported by the next update
         self.num_preemptions = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -59,12 +60,12 @@ class Scheduler:
             raise ValueError(
                 f"request {request.request_id!r}: prompt of {request.num_prompt_tokens} tokens leaves no room "
                 f"to generate within max_model_len={self.config.max_model_len}")
+        self.kv_cache_manager.update_block_hashes(request)
         self.waiting.add(request)
         self.requests[request.request_id] = request
 
     def schedule(self) -> SchedulerOutput:
         plan = _StepPlan(self.config.max_num_batched_tokens)
-        self.kv_cache_manager.new_step_starts()
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
@@ -103,18 +104,39 @@ class Scheduler:
             request = self.waiting.peek()
             computed_blocks, num_computed_tokens = kv.get_computed_blocks(request)
             num_new_tokens = self._num_new_tokens(request, num_computed_tokens)
+            if self._can_never_run(request, num_new_tokens):
+                self._ignore(request)
+                continue
             if num_new_tokens > plan.token_budget:
                 if not self.config.enable_chunked_prefill:
                     break  # the whole prompt must go in one step, and it does not fit this one
                 num_new_tokens = plan.token_budget
             new_blocks = kv.allocate_slots(request, num_new_tokens, num_computed_tokens, computed_blocks,
-                                           full_sequence_must_fit=self.config.reserve_full_sequence)
+                                           full_sequence_must_fit=self.config.reserve_full_sequence,
+                                           num_reserved_blocks=self._watermark_blocks(plan))
             if new_blocks is None:
                 break  # strict head-of-line: no skipping ahead, no preempting to admit
             self.waiting.pop()
             group = plan.resumed if request.status == RequestStatus.PREEMPTED else plan.new
             self._admit(request, num_computed_tokens, plan)
             plan.add(group, request, num_new_tokens, kv.get_block_ids(request.request_id))
+
+    def _can_never_run(self, request: Request, num_new_tokens: int) -> bool:
+        """Too big for the whole KV cache, or for a whole step when prefills may not be chunked."""
+        return not self.kv_cache_manager.fits_when_alone(request) or (
+            not self.config.enable_chunked_prefill and num_new_tokens > self.config.max_num_batched_tokens)
+
+    def _ignore(self, request: Request) -> None:
+        """Finish a request that would stall the queue forever, as vLLM does (FINISHED_IGNORED)."""
+        self.waiting.pop()
+        request.status = RequestStatus.FINISHED_IGNORED
+        self._free_request(request)
+        self._ignored.append(RequestOutput(request.request_id, [], True, request.get_finished_reason()))
+
+    def _watermark_blocks(self, plan: _StepPlan) -> int:
+        """Blocks an admission must leave free: the watermark, once anything is scheduled this step.
+        Running requests are never held back by it; they may grow into it."""
+        return self.kv_cache_manager.watermark_blocks if plan.num_scheduled_tokens else 0
 
     def _num_new_tokens(self, request: Request, num_computed_tokens: int) -> int:
         """The request's uncomputed gap, before the step's remaining budget is applied."""
@@ -176,7 +198,7 @@ class Scheduler:
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_output: ModelRunnerOutput) -> list[RequestOutput]:
-        outputs = []
+        outputs, self._ignored = self._ignored, []
         stopped: set[Request] = set()
         requests = self.requests
         update_block_hashes = self.kv_cache_manager.update_block_hashes
@@ -261,6 +283,11 @@ class Scheduler:
             num_prefill_tokens_pending=sum(map(_prefill_tokens_pending, itertools.chain(self.running, self.waiting))),
             num_free_blocks=self.kv_cache_manager.block_pool.get_num_free_blocks(),
         )
+
+    def num_waiting_uncached_tokens(self) -> int:
+        """Tokens the waiting requests will compute: all beyond the prefix the cache holds now."""
+        kv = self.kv_cache_manager
+        return sum(request.num_tokens - kv.num_cached_prefix_tokens(request) for request in self.waiting)
 
     def _record_trace(self, plan: _StepPlan) -> None:
         pool = self.kv_cache_manager.block_pool

@@ -9,16 +9,16 @@ from router.serve_router import PrefixAwareRequestRouter
 
 
 def test_build_app_takes_cluster_config_fields():
-    assert isinstance(build_app({"num_replicas": 3, "routing_policy": "round_robin", "engine": {"block_size": 32}}),
+    assert isinstance(build_app({"num_replicas": 3, "routing": "round_robin", "engine": {"block_size": 32}}),
                       Application)
-    with pytest.raises(pydantic.ValidationError, match="routing_polic"):
-        build_app({"routing_policy": "random"})
+    with pytest.raises(pydantic.ValidationError, match="routing\n"):
+        build_app({"routing": "random"})
     with pytest.raises(pydantic.ValidationError, match="num_replica\n"):
         build_app({"num_replica": 3})
 
 
 def test_engine_deployment_routes_through_the_prefix_aware_router():
-    config = ClusterConfig(num_replicas=3, routing_policy="least_loaded", engine={"block_size": 32},
+    config = ClusterConfig(num_replicas=3, routing="least_loaded", engine={"block_size": 32},
                            replica_num_cpus=2, replica_num_gpus=1, router_timeout_s=0.5)
     options = engine_options(config)
     assert options["num_replicas"] == 3
@@ -27,7 +27,7 @@ def test_engine_deployment_routes_through_the_prefix_aware_router():
     router_config = options["request_router_config"]
     assert router_config.get_request_router_class() is PrefixAwareRequestRouter
     assert router_config.request_router_kwargs == {
-        "policy": config.policy.model_dump(), "block_size": 32, "timeout_s": 0.5}
+        "policy": config.routing_config.model_dump(), "block_size": 32, "timeout_s": 0.5}
     assert router_config.request_router_kwargs["policy"]["policy"] == "least_loaded"
 
 

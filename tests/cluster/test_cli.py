@@ -21,13 +21,16 @@ def test_flags_reach_the_config(monkeypatch):
                    "--long-prefill-token-threshold", "128", "--policy", "priority", "--routing-policy",
                    "least_loaded", "--no-prefix-caching", "--dtype", "float32", "--replica-cpus", "2")
     assert config.num_replicas == 3
-    assert config.routing_policy == "least_loaded"
+    assert config.routing == "least_loaded"
     assert config.api_key == "from-env"
     assert config.replica_num_cpus == 2.0
     engine = config.engine
-    assert (engine.model, engine.num_kv_blocks, engine.block_size, engine.dtype) == ("/m.gguf", 64, 32, "float32")
-    assert (engine.max_num_seqs, engine.max_num_batched_tokens, engine.max_model_len) == (8, 512, 1024)
-    assert (engine.long_prefill_token_threshold, engine.policy, engine.enable_prefix_caching) == (128, "priority", False)
+    cache, scheduler = engine.cache, engine.scheduler
+    assert (engine.model, cache.num_kv_blocks, cache.block_size, engine.dtype) == ("/m.gguf", 64, 32, "float32")
+    assert (scheduler.max_num_seqs, scheduler.max_num_batched_tokens, engine.max_model_len) == (8, 512, 1024)
+    assert (scheduler.long_prefill_token_threshold, scheduler.policy, cache.enable_prefix_caching) == (
+        128, "priority", False)
+    assert parse("--queue-policy", "priority").engine.scheduler.policy == "priority"
     assert parse("--api-key", "flag").api_key == "flag"
 
 
@@ -42,7 +45,7 @@ def test_autoscaling_starts_at_the_replica_count_within_bounds():
 @pytest.mark.parametrize("argv, message", [
     (["--num-kv-blocks", "64", "--kv-cache-gib", "2"], "not allowed with argument"),
     (["--replicas", "0"], "num_replicas: Input should be greater than or equal to 1"),
-    (["--block-size", "0"], "engine.block_size: Input should be greater than or equal to 1"),
+    (["--block-size", "0"], "engine.cache.block_size: Input should be greater than or equal to 1"),
     (["--routing-policy", "random"], "invalid choice"),
 ])
 def test_bad_flags_exit_with_a_message(capsys, argv, message):

