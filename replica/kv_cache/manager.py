@@ -5,7 +5,9 @@ from replica.kv_cache.block import KVCacheBlock, KVCacheBlocks
 from replica.kv_cache.block_pool import BlockPool
 from replica.kv_cache.events import KVEvent
 from replica.kv_cache.hashing import BlockHash, hash_token_blocks
-from replica.request import Request
+from replica.request import Request, RequestStatus
+
+_ADMISSIONS = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
 class KVCacheManager:
@@ -20,15 +22,19 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.max_model_len = max_model_len if max_model_len is not None else num_blocks * block_size
         self.hash_seed = hash_seed
-        self.watermark_blocks = int(watermark * num_blocks)  # the scheduler holds them back from admissions
+        self.watermark_blocks = int(watermark * num_blocks)
         self.block_pool = BlockPool(num_blocks, block_size)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # per request: leading blocks already in the cache
+        self.num_requests_scheduled_this_step = 0
         self._no_blocks = KVCacheBlocks([])
 
     @property
     def usage(self) -> float:
         return self.block_pool.get_usage()
+
+    def new_step_starts(self) -> None:
+        self.num_requests_scheduled_this_step = 0
 
     def update_block_hashes(self, request: Request) -> None:
         """Extend request.block_hashes over its full blocks that lack a hash (O(new blocks))."""
@@ -66,9 +72,8 @@ class KVCacheManager:
     def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks: KVCacheBlocks | None = None,
                        num_lookahead_tokens: int = 0,
-                       full_sequence_must_fit: bool = False, num_reserved_blocks: int = 0) -> KVCacheBlocks | None:
-        """Slots for num_new_tokens more tokens; None, with nothing changed, when the pool is short
-        (num_reserved_blocks more than they take must be free)."""
+                       full_sequence_must_fit: bool = False) -> KVCacheBlocks | None:
+        """Slots for num_new_tokens more tokens; None, with nothing changed, when the pool is short."""
         if num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens must be positive, got {num_new_tokens}")
         computed_blocks = new_computed_blocks.blocks if new_computed_blocks is not None else ()
@@ -79,12 +84,12 @@ class KVCacheManager:
         num_blocks_to_allocate = -(-num_tokens_need_slot // self.block_size) - num_held_blocks
         if num_blocks_to_allocate > 0 or computed_blocks or full_sequence_must_fit:
             num_blocks_to_allocate = max(0, num_blocks_to_allocate)
-            if not self._can_allocate(request, computed_blocks, num_blocks_to_allocate, full_sequence_must_fit,
-                                      num_reserved_blocks):
+            if not self._can_allocate(request, computed_blocks, num_blocks_to_allocate, full_sequence_must_fit):
                 return None
             new_blocks = self._attach_blocks(request, computed_blocks, num_blocks_to_allocate)
         else:
             new_blocks = self._no_blocks
+        self.num_requests_scheduled_this_step += 1
         if self.enable_caching:
             num_full_blocks = min(num_computed_tokens + num_new_tokens, request.num_tokens) // self.block_size
             if num_full_blocks > self.num_cached_blocks.get(request.request_id, 0):
@@ -111,14 +116,16 @@ class KVCacheManager:
         return list(self.block_pool.cached_block_hash_to_block)
 
     def _can_allocate(self, request: Request, computed_blocks: Sequence[KVCacheBlock],
-                      num_blocks_to_allocate: int, full_sequence_must_fit: bool, num_reserved_blocks: int) -> bool:
+                      num_blocks_to_allocate: int, full_sequence_must_fit: bool) -> bool:
         # Touching a hit with ref_cnt 0 takes it out of the free queue, so it costs a free block.
         num_evictable_hits = sum(1 for block in computed_blocks if block.ref_cnt == 0)
+        watermark = self.watermark_blocks if (
+            self.num_requests_scheduled_this_step and request.status in _ADMISSIONS) else 0
         if full_sequence_must_fit:
             num_held_blocks = len(self.req_to_blocks.get(request.request_id, ())) + len(computed_blocks)
             num_full_blocks = -(-min(request.num_tokens, self.max_model_len) // self.block_size)
             num_blocks_to_allocate = max(num_blocks_to_allocate, num_full_blocks - num_held_blocks)
-        required = num_blocks_to_allocate + num_evictable_hits + num_reserved_blocks
+        required = num_blocks_to_allocate + num_evictable_hits + watermark
         return required <= self.block_pool.get_num_free_blocks()
 
     def _attach_blocks(self, request: Request, computed_blocks: Sequence[KVCacheBlock],

@@ -66,6 +66,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         plan = _StepPlan(self.config.max_num_batched_tokens)
+        self.kv_cache_manager.new_step_starts()
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
@@ -112,8 +113,7 @@ class Scheduler:
                     break  # the whole prompt must go in one step, and it does not fit this one
                 num_new_tokens = plan.token_budget
             new_blocks = kv.allocate_slots(request, num_new_tokens, num_computed_tokens, computed_blocks,
-                                           full_sequence_must_fit=self.config.reserve_full_sequence,
-                                           num_reserved_blocks=self._watermark_blocks(plan))
+                                           full_sequence_must_fit=self.config.reserve_full_sequence)
             if new_blocks is None:
                 break  # strict head-of-line: no skipping ahead, no preempting to admit
             self.waiting.pop()
@@ -132,11 +132,6 @@ class Scheduler:
         request.status = RequestStatus.FINISHED_IGNORED
         self._free_request(request)
         self._ignored.append(RequestOutput(request.request_id, [], True, request.get_finished_reason()))
-
-    def _watermark_blocks(self, plan: _StepPlan) -> int:
-        """Blocks an admission must leave free: the watermark, once anything is scheduled this step.
-        Running requests are never held back by it; they may grow into it."""
-        return self.kv_cache_manager.watermark_blocks if plan.num_scheduled_tokens else 0
 
     def _num_new_tokens(self, request: Request, num_computed_tokens: int) -> int:
         """The request's uncomputed gap, before the step's remaining budget is applied."""

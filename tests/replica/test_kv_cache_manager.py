@@ -1,6 +1,7 @@
 import pytest
 
 from replica.kv_cache import BlockRemoved, BlockStored, KVCacheManager, hash_token_blocks
+from replica.request import RequestStatus
 
 
 def free_ids(manager: KVCacheManager) -> list[int]:
@@ -125,15 +126,19 @@ def test_lookahead_and_max_model_len_cap(make_request):
     assert manager.allocate_slots(request2, 9, num_lookahead_tokens=8).get_block_ids() == [3, 4, 5]
 
 
-def test_reserved_blocks_stay_free(make_request):
-    manager = KVCacheManager(10, 4, watermark=0.2)  # 9 usable
-    assert manager.watermark_blocks == 2
+def test_watermark_only_for_admissions_after_another_request(make_request):
+    manager = KVCacheManager(10, 4, watermark=0.2)  # 2 watermark blocks, 9 usable
+    manager.new_step_starts()
     first = make_request("first", list(range(20)))  # 5 blocks
-    assert manager.allocate_slots(first, 20, num_reserved_blocks=2) is not None
+    assert manager.allocate_slots(first, 20) is not None  # nothing scheduled yet: no watermark
     second = make_request("second", list(range(100, 112)))  # 3 blocks; 4 free - 2 reserved
-    assert manager.allocate_slots(second, 12, num_reserved_blocks=2) is None
-    assert manager.allocate_slots(second, 12, full_sequence_must_fit=True, num_reserved_blocks=2) is None
-    assert manager.allocate_slots(second, 12) is not None  # nothing reserved: the watermark is the scheduler's rule
+    assert manager.allocate_slots(second, 12) is None
+    first.status = RequestStatus.RUNNING
+    first.num_computed_tokens = 20
+    first.append_output_token_ids(5)
+    assert manager.allocate_slots(first, 1) is not None  # running requests dip into the reserve
+    manager.new_step_starts()
+    assert manager.allocate_slots(make_request("third", list(range(200, 212))), 12) is not None
 
 
 def test_full_sequence_must_fit(make_request):
