@@ -117,11 +117,11 @@ class _Replica:
         self.uncovered_tokens += sign * booking.num_uncached_tokens
         self.uncovered_blocks += sign * booking.num_uncached_blocks
 
-    def candidate(self, replica_id: str, matched_blocks: int, num_cached_blocks: int, parked_session_tokens: int | None,
+    def candidate(self, replica_id: str, matched_blocks: int, num_cached_blocks: int, parked_session_tokens: int,
                   now: float) -> Candidate:
-        # For a new session (parked_session_tokens not None): the sessions it would share the replica
-        # with, in flight or parked between turns, each as many tokens as its last turn brought.
-        session_tokens = 0 if parked_session_tokens is None else parked_session_tokens + self.session_tokens
+        # The returning sessions it hosts, in flight or parked between turns, each as many tokens as
+        # its last turn brought.
+        session_tokens = parked_session_tokens + self.session_tokens
         if self.snapshot is None:
             return Candidate(replica_id, matched_blocks, len(self.bookings), self.uncovered_tokens,
                              num_cached_blocks=num_cached_blocks, num_session_tokens=session_tokens,
@@ -177,11 +177,10 @@ class Router:
         previous = self._bookings.get(request_id)
         self.release(request_id)
         session_turn = self._session_turn(previous, session_id)
-        request = RequestShape(len(block_hashes), num_prompt_tokens, self.block_size)
+        request = RequestShape(len(block_hashes), num_prompt_tokens, self.block_size, session_turn)
         matched = self.index.match(block_hashes)
-        new_session = session_turn == 1
         decision = self._policy.choose(request, [
-            self._candidate(replica_id, matched.get(replica_id, 0), new_session, now) for replica_id in candidates])
+            self._candidate(replica_id, matched.get(replica_id, 0), now) for replica_id in candidates])
         self._book(request_id, decision, request, block_hashes, now, session_id, session_turn)
         self._decisions[decision.outcome] += 1
         return decision
@@ -192,7 +191,8 @@ class Router:
         if booking is None or booking.replica_id == replica_id:
             return
         self.release(request_id)
-        request = RequestShape(len(booking.block_hashes), booking.num_prompt_tokens, self.block_size)
+        request = RequestShape(len(booking.block_hashes), booking.num_prompt_tokens, self.block_size,
+                               booking.session_turn)
         matched_blocks = self.index.match(booking.block_hashes).get(replica_id, 0)
         decision = RoutingDecision(replica_id, matched_blocks, "fallback")
         self._book(request_id, decision, request, booking.block_hashes, booking.routed_at, booking.session_id,
@@ -254,15 +254,12 @@ class Router:
                 replicas[replica_id] = replica.snapshot
         return RouterSnapshot(self.config.policy, replicas, dict(self._decisions))
 
-    def _candidate(self, replica_id: str, matched_blocks: int, new_session: bool, now: float) -> Candidate:
+    def _candidate(self, replica_id: str, matched_blocks: int, now: float) -> Candidate:
         replica = self._replicas.get(replica_id)
         if replica is None:
             return Candidate(replica_id, matched_blocks)
-        # A new session picks the replica its later turns will follow it to: the sessions already
-        # there are its neighbours for as long as it lives.
-        parked_session_tokens = self._sessions.returning_tokens(replica_id) if new_session else None
-        return replica.candidate(replica_id, matched_blocks, self.index.num_blocks(replica_id), parked_session_tokens,
-                                 now)
+        return replica.candidate(replica_id, matched_blocks, self.index.num_blocks(replica_id),
+                                 self._sessions.returning_tokens(replica_id), now)
 
     def _session_turn(self, previous: _Booking | None, session_id: str | None) -> int:
         if previous is not None:

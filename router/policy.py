@@ -35,7 +35,9 @@ class PolicyConfig(pydantic.BaseModel):
     request_cost_tokens: float = pydantic.Field(64.0, ge=0)
     """Cost of every request already running or queued on the replica: the decode work the new request
     shares each step with. 64 from benchmarks/sim_cluster.py (benchmarks/results/routing-sim.md): at
-    256, chats left their history's replica for a few requests' difference and recomputed it."""
+    256, chats left their history's replica for a few requests' difference and recomputed it. Not
+    counted for a later turn of a session (nor context_token_weight): its first turn chose the
+    replica it lives on, and only queued prefill, memory and preemptions move it from there."""
     context_token_weight: float = pydantic.Field(0.1, ge=0)
     """Cost per token of context that the requests routed to the replica attend to: every decode step
     reads them all, so a replica decoding long documents takes longer over each step the request
@@ -75,7 +77,7 @@ class Candidate:
     num_free_blocks: int | None = None  # free and evictable blocks, less those routed since; None: unknown
     recent_preemptions: int = 0         # within the last preemption_window_s
     num_cached_blocks: int = 0          # everything it caches, this request's prefix or not
-    num_session_tokens: int = 0         # for a new session: what the sessions it hosts bring per turn
+    num_session_tokens: int = 0         # what the returning sessions it hosts bring per turn
     num_context_tokens: int = 0         # prompt tokens of the requests routed to it and not finished
 
 
@@ -84,6 +86,12 @@ class RequestShape:
     num_blocks: int          # full blocks in the request's chain
     num_prompt_tokens: int
     block_size: int
+    session_turn: int = 0    # which turn of its session it is (1 = the first); 0: no session
+
+    @property
+    def follows_its_session(self) -> bool:
+        """A later turn of a session: its first turn chose where the session lives."""
+        return self.session_turn >= 2
 
     def num_uncached_tokens(self, matched_blocks: int) -> int:
         # The engine recomputes at least the last prompt token, even on a full hit.
@@ -115,10 +123,12 @@ class PrefixPolicy:
         queued = candidate.num_prefill_tokens_pending
         num_steps = max(1.0, (queued + uncached) / max(config.step_token_budget - candidate.num_requests, 1))
         cost = (queued + config.uncached_token_weight * uncached + num_steps * config.step_overhead_tokens
-                + config.request_cost_tokens * candidate.num_requests
-                + config.session_weight * candidate.num_session_tokens
-                + config.context_token_weight * candidate.num_context_tokens
                 + config.preemption_cost_tokens * candidate.recent_preemptions)
+        if not request.follows_its_session:
+            cost += (config.request_cost_tokens * candidate.num_requests
+                     + config.context_token_weight * candidate.num_context_tokens)
+        if request.session_turn == 1:
+            cost += config.session_weight * candidate.num_session_tokens
         if candidate.num_free_blocks is not None:
             block_size = request.block_size
             short_blocks = -(-uncached // block_size) - candidate.num_free_blocks

@@ -267,6 +267,20 @@ def test_a_parked_session_stops_counting_after_its_ttl():
     assert router.choose("s3/1", new_session, ["a", "b"], session_id="s3").replica_id == "a"
 
 
+def test_a_later_turn_stays_with_its_session_through_decode_load():
+    router = make_router(request_cost_tokens=64, step_overhead_tokens=0)
+    publish(router, "b", 1)
+    history = chain(*range(1, 11))
+    assert router.choose("s/1", history, ["a"], session_id="s").replica_id == "a"
+    finish(router, "a", 1, "s/1", history)
+    publish(router, "a", 2, num_running=20)  # busy decoding, nothing queued
+    turn = chain(*range(1, 12))
+    # without a session: 2 x 4 + 64 x 20 on a against 2 x 44 on b; the session's turn: 8 against 88
+    assert router.choose("r", turn, ["a", "b"]) == RoutingDecision("b", 0, "spill")
+    router.release("r")
+    assert router.choose("s/2", turn, ["a", "b"], session_id="s") == RoutingDecision("a", 10, "prefix_hit")
+
+
 def test_preemptions_within_the_window_turn_requests_away():
     clock = FakeClock()
     router = make_router(clock, preemption_window_s=10.0, assume_routed_prefix_cached=False)

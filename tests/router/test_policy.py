@@ -24,8 +24,14 @@ def test_cost_adds_queued_prefill_uncached_tokens_steps_requests_and_risk():
     busy = Candidate("a", matched_blocks=2, num_requests=4, num_prefill_tokens_pending=200, num_free_blocks=3,
                       recent_preemptions=1, num_session_tokens=40, num_context_tokens=1000)
     # prefill 200 + 101 over 96 decode room: 3.135 steps; 7 uncached blocks against 3 free: 4 short
-    assert policy.cost(PROMPT, busy) == pytest.approx(200 + 2 * 101 + 301 / 96 * 10 + 4 * 3 + 2 * 4 * BLOCK + 7
-                                                      + 0.5 * 40 + 0.25 * 1000)
+    without_decode_load = 200 + 2 * 101 + 301 / 96 * 10 + 2 * 4 * BLOCK + 7
+    decode_load = 4 * 3 + 0.25 * 1000
+    assert policy.cost(PROMPT, busy) == pytest.approx(without_decode_load + decode_load)
+    # a session's first turn also pays for the sessions it would live with; a later turn follows
+    # its session and pays for neither them nor the decode load
+    first_turn, later_turn = (RequestShape(8, 8 * BLOCK + 5, BLOCK, session_turn=turn) for turn in (1, 2))
+    assert policy.cost(first_turn, busy) == pytest.approx(without_decode_load + decode_load + 0.5 * 40)
+    assert policy.cost(later_turn, busy) == pytest.approx(without_decode_load)
 
 
 def test_a_full_hit_still_computes_the_last_prompt_token():
