@@ -38,6 +38,8 @@ PACING_REQUEST_RATE = 20
 READY_LINE = "prefixserve: serving on"
 STARTUP_TIMEOUT_S = 600
 SHUTDOWN_TIMEOUT_S = 120
+# A policy named with this suffix runs with AIPerf naming each conversation in the X-Session-Id header.
+SESSIONS_SUFFIX = "+sessions"
 
 
 @dataclass
@@ -55,7 +57,7 @@ def serving(policy: str, args: argparse.Namespace) -> Iterator[str]:
     """`prefixserve serve` on its own local Ray cluster, bound to loopback; its base URL until Ctrl-C'd."""
     command = [sys.executable, "-m", "cluster.cli", "serve", "--host", "127.0.0.1", "--port", str(args.port),
                "--replicas", str(args.replicas), "--replica-cpus", str(args.replica_cpus),
-               "--routing-policy", policy, "--num-kv-blocks", str(args.num_kv_blocks),
+               "--routing-policy", policy.removesuffix(SESSIONS_SUFFIX), "--num-kv-blocks", str(args.num_kv_blocks),
                "--max-model-len", str(args.max_model_len)]
     # Ray's local-only switch: its node address becomes 127.0.0.1 instead of the host's.
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
@@ -94,6 +96,7 @@ async def warm_up_replicas(base_url: str, num_replicas: int) -> str:
 def run_aiperf(base_url: str, policy: str, tokenizer: Path, args: argparse.Namespace) -> Result:
     artifacts = args.artifact_dir / policy
     model = asyncio.run(warm_up_replicas(base_url, args.replicas))
+    sessions = ["--session-header", "X-Session-Id"] if policy.endswith(SESSIONS_SUFFIX) else []
     subprocess.run([
         args.aiperf, "profile", "--model", model, "--url", base_url, "--endpoint-type", "chat", "--streaming",
         "--tokenizer", str(tokenizer), "--conversation-num", str(args.conversations),
@@ -104,7 +107,7 @@ def run_aiperf(base_url: str, policy: str, tokenizer: Path, args: argparse.Names
         "--extra-inputs", "ignore_eos:true", "--extra-inputs", "temperature:0",
         "--concurrency", str(args.concurrency), "--request-rate", str(PACING_REQUEST_RATE),
         "--arrival-pattern", "constant", "--random-seed", str(args.seed),
-        "--artifact-dir", str(artifacts), "--ui-type", "none",
+        "--artifact-dir", str(artifacts), "--ui-type", "none", *sessions,
     ], check=True)  # not HF_HUB_OFFLINE=1: AIPerf 0.13 then looks a local --tokenizer up in the hub's cache
     export = json.loads(next(artifacts.rglob("profile_export_aiperf.json")).read_text())
     return Result(policy, export, RouterMetrics.parse(httpx.get(f"{base_url}/metrics").text))
@@ -125,7 +128,9 @@ def report(results: list[Result]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--aiperf", default="aiperf", help="the aiperf executable (default: on PATH)")
-    parser.add_argument("--policies", nargs="+", default=["prefix", "round_robin", "least_loaded"])
+    parser.add_argument("--policies", nargs="+", default=["prefix", "round_robin", "least_loaded"],
+                        help=f"routing policies; with {SESSIONS_SUFFIX} (prefix{SESSIONS_SUFFIX}) AIPerf sends "
+                             "each conversation's id in X-Session-Id")
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--replica-cpus", type=float, help="CPUs per replica (default: the machine's, shared)")
     parser.add_argument("--num-kv-blocks", type=int, default=256)
