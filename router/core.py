@@ -251,6 +251,7 @@ class Router:
             if replica.snapshot is not None:
                 replica.snapshot.index_blocks = self.index.num_blocks(replica_id)
                 replica.snapshot.num_in_flight = len(replica.bookings)
+                replica.snapshot.num_parked_sessions = self._sessions.num_parked(replica_id)
                 replicas[replica_id] = replica.snapshot
         return RouterSnapshot(self.config.policy, replicas, dict(self._decisions))
 

@@ -33,6 +33,7 @@ class ParkedSessions:
         self._counted: dict[str, _Parked] = {}  # parked within ttl_s, oldest first
         self._remembered: dict[str, _Parked] = {}  # parked within REMEMBER_S, oldest first
         self._returning_tokens: Counter[str] = Counter()  # replica -> what its counted sessions will bring
+        self._num_counted: Counter[str] = Counter()  # replica -> its counted sessions
 
     def arrive(self, session_id: str) -> int:
         """A turn of the session arrives: it is parked no more. Returns the turns it finished before."""
@@ -48,10 +49,15 @@ class ParkedSessions:
         if parked.returns:
             self._counted[session_id] = parked
             self._returning_tokens[replica_id] += num_uncached_tokens
+            self._num_counted[replica_id] += 1
 
     def returning_tokens(self, replica_id: str) -> int:
         """Uncached prompt tokens the sessions parked on the replica that have come back before will bring."""
         return self._returning_tokens[replica_id]
+
+    def num_parked(self, replica_id: str) -> int:
+        """Sessions parked on the replica that have come back before."""
+        return self._num_counted[replica_id]
 
     def expire(self, now: float) -> None:
         while self._counted and now - next(iter(self._counted.values())).parked_at >= self.ttl_s:
@@ -64,7 +70,9 @@ class ParkedSessions:
             for session_id in [s for s, parked in sessions.items() if parked.replica_id == replica_id]:
                 del sessions[session_id]
         self._returning_tokens.pop(replica_id, None)
+        self._num_counted.pop(replica_id, None)
 
     def _uncount(self, parked: _Parked | None) -> None:
         if parked is not None:
             self._returning_tokens[parked.replica_id] -= parked.num_next_tokens
+            self._num_counted[parked.replica_id] -= 1

@@ -276,7 +276,7 @@ def test_models_lists_the_served_model():
 def test_metrics_have_one_series_per_replica():
     stats = SchedulerStats(num_running=2, num_waiting=1, kv_usage=0.25, num_preemptions=3, prefix_cache_queries=40,
                            prefix_cache_hits=16)
-    snapshot = RouterSnapshot("prefix", {"replica-a": ReplicaSnapshot(stats, 5, 2, 32, 16)},
+    snapshot = RouterSnapshot("prefix", {"replica-a": ReplicaSnapshot(stats, 5, 2, 32, 16, 3)},
                               {"prefix_hit": 4, "no_hit": 1})
     app = make_app(FakeEngineClient("replica-a"), snapshot=snapshot)
     request(app, "POST", "/v1/completions", json={"model": MODEL, "prompt": "hello world", "max_tokens": 3})
@@ -295,6 +295,7 @@ def test_metrics_have_one_series_per_replica():
         'prefixserve:prefix_cache_hits_total{replica="replica-a"} 16.0',
         'prefixserve:router_index_blocks{replica="replica-a"} 5.0',
         'prefixserve:router_requests_in_flight{replica="replica-a"} 2.0',
+        'prefixserve:router_parked_sessions{replica="replica-a"} 3.0',
         'prefixserve:router_predicted_cached_tokens_total{replica="replica-a"} 32.0',
         'prefixserve:router_actual_cached_tokens_total{replica="replica-a"} 16.0',
         'prefixserve:router_decisions_total{outcome="prefix_hit",policy="prefix"} 4.0',

@@ -263,8 +263,10 @@ def test_a_parked_session_stops_counting_after_its_ttl():
     new_session = chain(*SYSTEM_PROMPT, 60)
     assert router.choose("s2/1", new_session, ["a", "b"], session_id="s2").replica_id == "b"
     router.release("s2/1")
+    assert router.snapshot().replicas["a"].num_parked_sessions == 1
     clock.now = 30.0
     assert router.choose("s3/1", new_session, ["a", "b"], session_id="s3").replica_id == "a"
+    assert router.snapshot().replicas["a"].num_parked_sessions == 0
 
 
 def test_a_later_turn_stays_with_its_session_through_decode_load():
