@@ -32,8 +32,8 @@ def build(config: ClusterConfig) -> Application:
 def engine_options(config: ClusterConfig) -> dict[str, Any]:
     router_config = RequestRouterConfig(
         request_router_class=PrefixAwareRequestRouter,
-        request_router_kwargs={"policy": config.routing_config.model_dump(), "block_size": config.engine.cache.block_size,
-                               "timeout_s": config.router_timeout_s},
+        request_router_kwargs={"policy": config.routing_config.model_dump(),
+                               "block_size": config.engine.cache.block_size, "timeout_s": config.router_timeout_s},
         request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)
     options = {
         "max_ongoing_requests": ENGINE_MAX_ONGOING_REQUESTS,

@@ -90,17 +90,11 @@ class _Replica:
         self.bookings[booking.request_id] = booking
         self.uncovered.append(booking)
         self._count_uncovered(booking, +1)
-        self.booked_tokens += booking.num_uncached_tokens
-        self.booked_context_tokens += booking.num_prompt_tokens
-        if booking.session_turn >= 2:
-            self.session_tokens += booking.num_uncached_tokens
+        self._count_booked(booking, +1)
 
     def remove(self, booking: _Booking) -> None:
         del self.bookings[booking.request_id]
-        self.booked_tokens -= booking.num_uncached_tokens
-        self.booked_context_tokens -= booking.num_prompt_tokens
-        if booking.session_turn >= 2:
-            self.session_tokens -= booking.num_uncached_tokens
+        self._count_booked(booking, -1)
         self._cover(booking)  # it stays in the deque until reported past, counting no more
 
     def reported(self) -> None:
@@ -112,6 +106,12 @@ class _Replica:
         if not booking.covered:
             booking.covered = True
             self._count_uncovered(booking, -1)
+
+    def _count_booked(self, booking: _Booking, sign: int) -> None:
+        self.booked_tokens += sign * booking.num_uncached_tokens
+        self.booked_context_tokens += sign * booking.num_prompt_tokens
+        if booking.session_turn >= 2:
+            self.session_tokens += sign * booking.num_uncached_tokens
 
     def _count_uncovered(self, booking: _Booking, sign: int) -> None:
         self.uncovered_tokens += sign * booking.num_uncached_tokens
@@ -291,7 +291,8 @@ class Router:
     def _report(self, replica_id: str, stats: SchedulerStats, finished: list[FinishedRequest]) -> None:
         replica = self._replica(replica_id)
         replica.reported()
-        replica.preemptions.record(self._clock(), stats.num_preemptions)
+        now = self._clock()
+        replica.preemptions.record(now, stats.num_preemptions)
         if replica.snapshot is None:
             replica.snapshot = ReplicaSnapshot(stats)
         replica.snapshot.stats = stats
@@ -302,7 +303,7 @@ class Router:
             self.release(request.request_id)
             if booking.session_id is not None:
                 self._sessions.park(booking.session_id, replica_id, booking.session_turn, booking.num_uncached_tokens,
-                                    self._clock())
+                                    now)
             if request.num_cached_tokens is not None:
                 replica.snapshot.predicted_cached_tokens += booking.num_prompt_tokens - booking.num_uncached_tokens
                 replica.snapshot.actual_cached_tokens += request.num_cached_tokens

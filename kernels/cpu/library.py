@@ -41,15 +41,16 @@ class Kernel:
 
     def __init__(self, function: ctypes._CFuncPtr, restype: str, params: list[tuple[str, str]]):
         self.name, self.arg_names = function.__name__, [name for _, name in params]
+        self._arg_set = frozenset(self.arg_names)  # checked on every call: a layer calls each kernel per step
         self._pointers = {name for c_type, name in params if "*" in c_type}
         function.restype = _C_TYPES[restype]
         function.argtypes = [ctypes.c_void_p if "*" in c_type else _C_TYPES[c_type] for c_type, _ in params]
         self._function = function
 
     def __call__(self, **args):
-        if args.keys() != set(self.arg_names):
-            raise TypeError(f"{self.name} takes {self.arg_names}; missing {sorted(set(self.arg_names) - args.keys())}, "
-                            f"unknown {sorted(args.keys() - set(self.arg_names))}")
+        if args.keys() != self._arg_set:
+            raise TypeError(f"{self.name} takes {self.arg_names}; missing {sorted(self._arg_set - args.keys())}, "
+                            f"unknown {sorted(args.keys() - self._arg_set)}")
         return self._function(*(args[name].data_ptr() if name in self._pointers and args[name] is not None
                                 else args[name] for name in self.arg_names))
 
