@@ -105,7 +105,7 @@ class RouterCollector(Collector):
             (GaugeMetricFamily, "router_requests_in_flight", "Requests routed to the replica and not finished.",
              lambda r: r.num_in_flight),
             (GaugeMetricFamily, "router_parked_sessions",
-             "Sessions between turns whose last turn the replica served (those that came back before).",
+             "Sessions between turns whose last turn the replica served (parked within session_ttl_s).",
              lambda r: r.num_parked_sessions),
             (CounterMetricFamily, "router_predicted_cached_tokens",
              "Prompt tokens the router expected cached on the replica it chose.",

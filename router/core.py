@@ -117,10 +117,9 @@ class _Replica:
         self.uncovered_tokens += sign * booking.num_uncached_tokens
         self.uncovered_blocks += sign * booking.num_uncached_blocks
 
-    def candidate(self, replica_id: str, matched_blocks: int, num_cached_blocks: int, parked_session_tokens: int,
+    def candidate(self, replica_id: str, matched_blocks: int, num_cached_blocks: int, parked_session_tokens: float,
                   now: float) -> Candidate:
-        # The returning sessions it hosts, in flight or parked between turns, each as many tokens as
-        # its last turn brought.
+        # The sessions it hosts: later turns in flight, and what the parked ones are expected to bring.
         session_tokens = parked_session_tokens + self.session_tokens
         if self.snapshot is None:
             return Candidate(replica_id, matched_blocks, len(self.bookings), self.uncovered_tokens,

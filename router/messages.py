@@ -29,7 +29,7 @@ class ReplicaSnapshot:
     num_in_flight: int = 0            # routed here and not finished yet
     predicted_cached_tokens: int = 0  # summed over finished requests the router chose a replica for
     actual_cached_tokens: int = 0     # what the replicas reported for those same requests
-    num_parked_sessions: int = 0      # sessions that came back before, now between turns, last served here
+    num_parked_sessions: int = 0      # sessions between turns (within session_ttl_s) last served here
 
 
 @dataclass(slots=True)

@@ -56,8 +56,9 @@ class PolicyConfig(pydantic.BaseModel):
     Turn off for replicas without prefix caching."""
     session_weight: float = pydantic.Field(16.0, ge=0)
     """For a session's first turn, which picks the replica its later turns follow it to: cost per token
-    that the sessions the replica hosts bring per turn (those that came back at least once, in flight
-    or parked between turns, each as many uncached tokens as its last turn). A replica hosting many
+    that the sessions the replica hosts are expected to bring per turn (in flight as a later turn, or
+    parked between turns: as many uncached tokens as its last turn, times the share of parked
+    sessions that came back, router/sessions.py). A replica hosting many
     conversations or agent programs looks idle between their turns; the new session would share its
     every turn with them."""
     session_ttl_s: float = pydantic.Field(30.0, gt=0)
@@ -77,7 +78,7 @@ class Candidate:
     num_free_blocks: int | None = None  # free and evictable blocks, less those routed since; None: unknown
     recent_preemptions: int = 0         # within the last preemption_window_s
     num_cached_blocks: int = 0          # everything it caches, this request's prefix or not
-    num_session_tokens: int = 0         # what the returning sessions it hosts bring per turn
+    num_session_tokens: float = 0       # what the sessions it hosts are expected to bring per turn
     num_context_tokens: int = 0         # prompt tokens of the requests routed to it and not finished
 
 
