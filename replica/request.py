@@ -85,6 +85,8 @@ class Request:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         eos_token_id: int | None = None,
+        session_id: str | None = None,
+        last_turn: bool = False,
     ):
         _check_inputs(request_id, prompt_token_ids, sampling_params)
         self.request_id = request_id
@@ -93,6 +95,8 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.cache_salt = cache_salt
         self.eos_token_id = eos_token_id
+        self.session_id = session_id  # the conversation or agent program it is a turn of
+        self.last_turn = last_turn  # the program ends with it: nothing to keep its blocks for
         self.status = RequestStatus.WAITING
 
         self.prompt_token_ids = list(prompt_token_ids)

@@ -1,9 +1,9 @@
 from replica.scheduler.config import SchedulerConfig
-from replica.scheduler.output import (CachedRequestData, ModelRunnerOutput, NewRequestData, RequestOutput,
-                                      SchedulerOutput, SchedulerStats)
+from replica.scheduler.output import (CachedRequestData, ModelRunnerOutput, NewRequestData, PinStats,
+                                      RequestOutput, SchedulerOutput, SchedulerStats)
 from replica.scheduler.scheduler import Scheduler
 
 __all__ = [
-    "CachedRequestData", "ModelRunnerOutput", "NewRequestData", "RequestOutput", "Scheduler",
+    "CachedRequestData", "ModelRunnerOutput", "NewRequestData", "PinStats", "RequestOutput", "Scheduler",
     "SchedulerConfig", "SchedulerOutput", "SchedulerStats",
 ]

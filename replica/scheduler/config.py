@@ -11,5 +11,9 @@ class SchedulerConfig(pydantic.BaseModel):
     max_model_len: int = pydantic.Field(8192, ge=2)
     long_prefill_token_threshold: int = pydantic.Field(0, ge=0)  # 0 = off
     enable_chunked_prefill: bool = True
-    policy: Literal["fcfs", "priority"] = "fcfs"
+    # continuum: FCFS, and a program's turn that ends in a tool call keeps its KV blocks pinned until
+    # its next turn (which waits ahead of the others) or a predicted time-to-live (replica/scheduler/pins.py)
+    policy: Literal["fcfs", "priority", "continuum"] = "fcfs"
     reserve_full_sequence: bool = True  # admit only when the whole prompt's blocks fit
+    pin_ttl_default_s: float = pydantic.Field(2.0, ge=0)  # a pin's TTL before any tool gap was observed
+    pin_ttl_max_s: float = pydantic.Field(10.0, ge=0)  # cap on a pin's TTL, however long the observed gaps

@@ -51,6 +51,18 @@ class RequestOutput:
 
 
 @dataclass(slots=True)
+class PinStats:
+    """Continuum's pins: blocks held now, and cumulative counts of what happened to pins."""
+    num_pinned_blocks: int = 0  # distinct blocks the pins hold
+    pinned: int = 0             # finished turns whose blocks were pinned
+    hits: int = 0               # next turns admitted while their program's pin held their history
+    expired: int = 0            # pins that ran out of time
+    released: int = 0           # pins released early to give a running request or an admission blocks
+    next_turn_queries: int = 0  # prompt tokens of next turns (their program's last turn finished here)
+    next_turn_hits: int = 0     # of those, found in the prefix cache at admission
+
+
+@dataclass(slots=True)
 class SchedulerStats:
     num_running: int
     num_waiting: int
@@ -60,3 +72,4 @@ class SchedulerStats:
     prefix_cache_hits: int     # tokens found in the prefix cache, cumulative
     num_prefill_tokens_pending: int = 0  # tokens of running and waiting requests still to prefill (or recompute)
     num_free_blocks: int = 0             # blocks a new request can take: free ones and evictable cached ones
+    pins: PinStats = field(default_factory=PinStats)

@@ -1,7 +1,8 @@
-"""Waiting queues: strict FCFS (a deque) or a heap on (priority, arrival_time, request_id)."""
+"""Waiting queues: strict FCFS (a deque), a heap on (priority, arrival_time, request_id), or FCFS with
+pinned programs' turns first (continuum)."""
 import heapq
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from replica.request import Request
 
@@ -61,8 +62,21 @@ class PriorityRequestQueue:
         return iter(sorted(self._heap))
 
 
-RequestQueue = FCFSRequestQueue | PriorityRequestQueue
+class ContinuumRequestQueue(FCFSRequestQueue):
+    """FCFS, except that turns of programs whose blocks are pinned go first: the pin holds their
+    history now, and may expire or be released if they wait."""
+
+    def __init__(self, is_pinned: Callable[[str | None], bool]):
+        super().__init__()
+        self._is_pinned = is_pinned
+
+    def peek(self) -> Request:
+        return next((request for request in self._queue if self._is_pinned(request.session_id)), self._queue[0])
+
+    def pop(self) -> Request:
+        request = self.peek()
+        self._queue.remove(request)
+        return request
 
 
-def create_request_queue(policy: str) -> RequestQueue:
-    return PriorityRequestQueue() if policy == "priority" else FCFSRequestQueue()
+RequestQueue = FCFSRequestQueue | PriorityRequestQueue | ContinuumRequestQueue

@@ -1,12 +1,23 @@
 """A fake model for driving the scheduler: every request that reached the end of its tokens samples one."""
+import time
+
 from replica.kv_cache import KVCacheManager
 from replica.scheduler import ModelRunnerOutput, Scheduler, SchedulerConfig, SchedulerOutput
 
 
-def make_scheduler(num_blocks: int = 100, block_size: int = 4, watermark: float = 0.0, **config) -> Scheduler:
+def make_scheduler(num_blocks: int = 100, block_size: int = 4, watermark: float = 0.0, clock=time.monotonic,
+                   **config) -> Scheduler:
     config.setdefault("max_model_len", 256)
     manager = KVCacheManager(num_blocks, block_size, watermark=watermark, max_model_len=config["max_model_len"])
-    return Scheduler(SchedulerConfig(**config), manager)
+    return Scheduler(SchedulerConfig(**config), manager, clock)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def fake_model_output(scheduler: Scheduler, output: SchedulerOutput, token_id: int = 7) -> ModelRunnerOutput:

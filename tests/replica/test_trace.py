@@ -24,6 +24,7 @@ def test_trace_writes_one_json_line_per_step(tmp_path, monkeypatch, make_request
         "step": 0, "num_waiting": 0, "num_running": 1, "num_free_blocks": 6, "num_cached_blocks": 2,
         "prefix_hits": {"a": {"num_tokens": 9, "num_cached_tokens": 0}},
         "scheduled": {"running": {}, "resumed": {}, "new": {"a": 9}}, "preempted": [],
+        "num_pins": 0, "pins": {"pinned": [], "expired": [], "released": [], "hits": []},
     }
     assert second["prefix_hits"] == {"b": {"num_tokens": 9, "num_cached_tokens": 8}}
     assert second["scheduled"] == {"running": {"a": 1}, "resumed": {}, "new": {"b": 1}}

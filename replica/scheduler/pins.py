@@ -1,0 +1,112 @@
+"""Continuum's KV pins: when a turn of an agent program ends in a tool call, its blocks stay held
+until the program's next turn arrives to reuse them, or until a time-to-live predicted from the
+tool gaps observed so far.
+
+A pin never costs a running request: the scheduler releases pins (expired ones at the start of each
+step, then the ones with the least time left) before it preempts or stops admitting.
+"""
+import statistics
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+from replica.request import Request
+
+_GAPS_PER_PROGRAM = 8
+_GAPS_OVERALL = 256
+_PROGRAMS_REMEMBERED = 4096
+_MIN_GAPS = 3  # observed gaps a quantile is taken over; fewer: the next source down
+
+
+class ToolGapEstimator:
+    """How long a program takes to send its next turn after one finished: the 0.9 quantile of its own
+    recent gaps once it has shown a few, else of every program's, else a configured default;
+    capped by max_s."""
+
+    def __init__(self, default_s: float, max_s: float, quantile: float = 0.9):
+        self.default_s = default_s
+        self.max_s = max_s
+        self.quantile = quantile
+        self._overall: deque[float] = deque(maxlen=_GAPS_OVERALL)
+        self._programs: OrderedDict[str, deque[float]] = OrderedDict()
+        self._finished_at: dict[str, float] = {}
+
+    def turn_finished(self, session_id: str, now: float) -> None:
+        self._finished_at[session_id] = now
+
+    def turn_arrived(self, session_id: str, now: float) -> bool:
+        """Record the gap since the program's last turn finished; False when none is known."""
+        finished_at = self._finished_at.pop(session_id, None)
+        if finished_at is None:
+            return False
+        gaps = self._programs.pop(session_id, None) or deque(maxlen=_GAPS_PER_PROGRAM)
+        gaps.append(now - finished_at)
+        self._programs[session_id] = gaps  # most recently seen last
+        if len(self._programs) > _PROGRAMS_REMEMBERED:
+            self._programs.popitem(last=False)
+        self._overall.append(now - finished_at)
+        return True
+
+    def forget(self, session_id: str) -> None:
+        """The program ended (its last turn, or an abort)."""
+        self._finished_at.pop(session_id, None)
+        self._programs.pop(session_id, None)
+
+    def ttl(self, session_id: str) -> float:
+        for gaps in (self._programs.get(session_id, ()), self._overall):
+            if len(gaps) >= _MIN_GAPS:
+                return min(self._quantile(gaps), self.max_s)
+        return min(self.default_s, self.max_s)
+
+    def _quantile(self, gaps) -> float:
+        return statistics.quantiles(gaps, n=100, method="inclusive")[round(self.quantile * 100) - 1]
+
+
+@dataclass(slots=True)
+class Pin:
+    request: Request  # the finished turn whose blocks are held
+    expires_at: float
+
+
+class Pins:
+    """At most one pin per program: a newer turn's pin replaces the older one."""
+
+    def __init__(self) -> None:
+        self._by_session: dict[str, Pin] = {}
+        self._by_request_id: dict[str, str] = {}  # request id -> its session
+
+    def add(self, request: Request, expires_at: float) -> Pin | None:
+        """Pin the request's blocks; returns the program's previous pin, to release."""
+        previous = self.pop(request.session_id)
+        self._by_session[request.session_id] = Pin(request, expires_at)
+        self._by_request_id[request.request_id] = request.session_id
+        return previous
+
+    def pop(self, session_id: str | None) -> Pin | None:
+        pin = self._by_session.pop(session_id, None)
+        if pin is not None:
+            del self._by_request_id[pin.request.request_id]
+        return pin
+
+    def session_of(self, request_id: str) -> str | None:
+        return self._by_request_id.get(request_id)
+
+    def pop_expired(self, now: float) -> list[Pin]:
+        return [self.pop(session_id) for session_id, pin in list(self._by_session.items())
+                if pin.expires_at <= now]
+
+    def pop_least_time_left(self, keep: str | None) -> Pin | None:
+        """The pin closest to expiry, other than program keep's (its own turn needs it)."""
+        pins = [pin for session_id, pin in self._by_session.items() if session_id != keep]
+        return self.pop(min(pins, key=lambda pin: pin.expires_at).request.session_id) if pins else None
+
+    def pop_all(self) -> list[Pin]:
+        return [self.pop(session_id) for session_id in list(self._by_session)]
+
+    def __contains__(self, session_id: str | None) -> bool:
+        return session_id in self._by_session
+
+    def __len__(self) -> int:
+        return len(self._by_session)
+
+    def __iter__(self):
+        return iter(self._by_session.values())

@@ -1,0 +1,178 @@
+"""The continuum policy: a program's finished turn keeps its blocks pinned for the next turn."""
+from replica.request import Request, RequestStatus, SamplingParams
+from replica.scheduler import PinStats
+from replica.scheduler.pins import ToolGapEstimator
+
+from .scheduler_helpers import FakeClock, make_scheduler, step
+
+BLOCK_SIZE = 4
+
+
+def continuum(clock: FakeClock, num_blocks: int = 20, **config):
+    return make_scheduler(num_blocks=num_blocks, block_size=BLOCK_SIZE, clock=clock, policy="continuum",
+                          pin_ttl_default_s=2.0, **config)
+
+
+def turn(request_id: str, prompt: list[int], session_id: str | None = "p", max_tokens: int = 1, **kwargs) -> Request:
+    return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                   session_id=session_id, **kwargs)
+
+
+def run_to_completion(scheduler, token_id: int = 7) -> list[str]:
+    finished = []
+    while scheduler.has_unfinished_requests():
+        _, outputs = step(scheduler, token_id)
+        finished += [output.request_id for output in outputs if output.finished]
+    return finished
+
+
+def num_free(scheduler) -> int:
+    return scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+
+def test_a_finished_turn_stays_pinned_until_its_ttl():
+    clock = FakeClock()
+    scheduler = continuum(clock)
+    scheduler.add_request(turn("p/1", list(range(8))))
+    assert run_to_completion(scheduler) == ["p/1"]
+    assert num_free(scheduler) == 17  # 19 usable, 2 pinned
+    assert scheduler.make_stats().pins == PinStats(num_pinned_blocks=2, pinned=1)
+    clock.now = 1.9
+    scheduler.schedule()
+    assert num_free(scheduler) == 17
+    clock.now = 2.0
+    scheduler.schedule()
+    assert num_free(scheduler) == 19
+    assert scheduler.make_stats().pins == PinStats(pinned=1, expired=1)
+
+
+def test_fcfs_frees_a_finished_turn_of_a_program():
+    scheduler = make_scheduler(num_blocks=20, block_size=BLOCK_SIZE, policy="fcfs")
+    scheduler.add_request(turn("p/1", list(range(8))))
+    run_to_completion(scheduler)
+    assert num_free(scheduler) == 19
+    assert scheduler.make_stats().pins == PinStats()
+
+
+def test_the_next_turn_hits_its_pinned_history_and_its_own_pin_replaces_the_first():
+    clock = FakeClock()
+    scheduler = continuum(clock)
+    scheduler.add_request(turn("p/1", list(range(8))))
+    run_to_completion(scheduler)
+    clock.now = 1.5
+    scheduler.add_request(turn("p/2", list(range(8)) + [7, 50, 51, 52]))  # history, answer, tool result
+    output, _ = step(scheduler)
+    assert output.num_scheduled_tokens == {"p/2": 4}  # the 8 pinned tokens were not recomputed
+    run_to_completion(scheduler)
+    stats = scheduler.make_stats().pins
+    assert stats == PinStats(num_pinned_blocks=3, pinned=2, hits=1, next_turn_queries=12, next_turn_hits=8)
+    assert num_free(scheduler) == 16
+    clock.now = 3.4  # the gap observed was 1.5 s, but 3 are needed before the default gives way
+    scheduler.schedule()
+    assert num_free(scheduler) == 16
+    clock.now = 3.5
+    scheduler.schedule()
+    assert num_free(scheduler) == 19
+
+
+def test_a_last_turn_and_an_abort_end_the_programs_pin():
+    clock = FakeClock()
+    scheduler = continuum(clock)
+    for session in "pq":
+        scheduler.add_request(turn(f"{session}/1", [ord(session)] * 8, session_id=session))
+    run_to_completion(scheduler)
+    assert num_free(scheduler) == 15
+    scheduler.add_request(turn("p/2", [ord("p")] * 8 + [7, 1], last_turn=True))
+    run_to_completion(scheduler)
+    assert num_free(scheduler) == 17
+    scheduler.add_request(turn("q/2", [ord("q")] * 8 + [7, 1], session_id="q"))
+    scheduler.finish_requests("q/2", RequestStatus.FINISHED_ABORTED)
+    assert num_free(scheduler) == 19
+    assert scheduler.make_stats().pins == PinStats(pinned=2, hits=1, next_turn_queries=10, next_turn_hits=8)
+
+
+def test_pins_with_the_least_time_left_are_released_before_an_admission_waits():
+    clock = FakeClock()
+    scheduler = continuum(clock, num_blocks=10)
+    for start, session in ((0.0, "p"), (1.0, "q")):
+        clock.now = start
+        scheduler.add_request(turn(f"{session}/1", [ord(session)] * 8, session_id=session))
+        run_to_completion(scheduler)
+    assert num_free(scheduler) == 5
+    scheduler.add_request(turn("r", list(range(100, 124)), session_id=None))  # 6 blocks
+    output, _ = step(scheduler)
+    assert output.num_scheduled_tokens == {"r": 24}
+    assert scheduler.make_stats().num_preemptions == 0
+    assert [pin.request.request_id for pin in scheduler.pins] == ["q/1"]  # p's expired first
+    assert scheduler.make_stats().pins == PinStats(num_pinned_blocks=2, pinned=2, released=1)
+
+
+def test_pins_are_released_before_a_running_request_is_preempted():
+    clock = FakeClock()
+    scheduler = continuum(clock, num_blocks=10)
+    scheduler.add_request(turn("r", list(range(100, 115)), session_id=None, max_tokens=20))  # 4 blocks
+    step(scheduler)
+    scheduler.add_request(turn("p/1", [ord("p")] * 16))
+    _, outputs = step(scheduler)
+    assert [output.request_id for output in outputs if output.finished] == ["p/1"]
+    assert num_free(scheduler) == 1  # r holds 4, p's pin 4
+    step(scheduler)  # r's 17th token takes the last free block
+    assert (num_free(scheduler), len(scheduler.pins)) == (0, 1)
+    for _ in range(4):  # its 21st needs one more
+        step(scheduler)
+    assert scheduler.make_stats().num_preemptions == 0
+    assert num_free(scheduler) == 3  # p's pin: 4 blocks, one of them taken
+    assert len(scheduler.pins) == 0 and scheduler.make_stats().pins.released == 1
+
+
+def test_a_victim_is_chosen_among_programs_without_a_pin():
+    clock = FakeClock()
+    scheduler = continuum(clock, num_blocks=7)
+    scheduler.add_request(turn("p/1", [ord("p")] * 8))
+    run_to_completion(scheduler)
+    scheduler.add_request(turn("b", list(range(100, 109)), session_id=None, max_tokens=10))  # 3 blocks
+    step(scheduler)
+    scheduler.add_request(turn("p/2", [ord("p")] * 8 + [7, 1, 2, 3], max_tokens=10))  # 1 block beyond the pin
+    step(scheduler)
+    assert [request.request_id for request in scheduler.running] == ["b", "p/2"]
+    assert num_free(scheduler) == 0
+    output, _ = step(scheduler)  # p/2's 13th token needs a 4th block; p/2 is the latest admitted, but its program holds a pin
+    assert output.preempted_req_ids == {"b"}
+    assert output.num_scheduled_tokens == {"p/2": 1}
+    assert "p" in scheduler.pins
+
+
+def test_waiting_turns_of_pinned_programs_are_admitted_first():
+    clock = FakeClock()
+    scheduler = continuum(clock, max_num_seqs=1)
+    scheduler.add_request(turn("p/1", [ord("p")] * 8))
+    run_to_completion(scheduler)
+    scheduler.add_request(turn("x", list(range(100, 110)), session_id=None))
+    scheduler.add_request(turn("q/1", [ord("q")] * 8, session_id="q"))
+    scheduler.add_request(turn("p/2", [ord("p")] * 8 + [7, 1]))
+    assert run_to_completion(scheduler) == ["p/2", "x", "q/1"]
+
+
+def test_resetting_the_prefix_cache_ends_every_pin():
+    scheduler = continuum(FakeClock())
+    scheduler.add_request(turn("p/1", list(range(8))))
+    run_to_completion(scheduler)
+    assert scheduler.kv_cache_manager.reset_prefix_cache() is False
+    assert scheduler.reset_prefix_cache() is True
+    assert num_free(scheduler) == 19 and len(scheduler.pins) == 0
+
+
+def test_the_tool_gap_estimate_is_a_quantile_of_the_programs_own_gaps_then_everyones_capped():
+    estimator = ToolGapEstimator(default_s=2.0, max_s=10.0)
+    gaps = {"a": [1.0, 2.0, 3.0], "b": [20.0, 20.0, 20.0]}
+    assert estimator.ttl("a") == 2.0
+    for session_id, session_gaps in gaps.items():
+        now = 0.0
+        for gap in session_gaps:
+            estimator.turn_finished(session_id, now)
+            assert estimator.turn_arrived(session_id, now + gap)
+            now += gap + 1
+    assert estimator.ttl("a") == 2.8  # the 0.9 quantile of 1, 2, 3
+    assert estimator.ttl("b") == 10.0  # capped
+    assert estimator.ttl("new") == 10.0  # everyone's: the 0.9 quantile of 1, 2, 3, 20, 20, 20 is 20
+    assert not estimator.turn_arrived("new", 5.0)
