@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     scheduler.add_argument("--max-model-len", type=int, help="longest prompt + output (default: the model's context)")
     scheduler.add_argument("--long-prefill-token-threshold", type=int, default=0,
                            help="prefill chunk cap for long prompts (default: %(default)s, off)")
-    scheduler.add_argument("--queue-policy", "--policy", choices=["fcfs", "priority"], default="fcfs",
+    scheduler.add_argument("--queue-policy", "--policy", choices=["fcfs", "priority", "continuum"], default="fcfs",
                            help="waiting queue order (default: %(default)s)")
     return parser
 

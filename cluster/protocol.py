@@ -66,7 +66,10 @@ class _GenerationRequest(pydantic.BaseModel):
     """Generate max_tokens even past the end-of-sequence token (vLLM's extension, for benchmarks)."""
     session_id: str | None = None
     """The conversation or agent program this turn belongs to (or the X-Session-Id header): the router
-    keeps the sessions that come back in mind when it places a new one."""
+    keeps the sessions that come back in mind when it places a new one, and replicas under the
+    continuum policy pin a finished turn's KV blocks for the next."""
+    last_turn: bool = False
+    """The session's last turn: nothing to pin its blocks for (continuum)."""
 
     @pydantic.field_validator("n")
     @classmethod

@@ -101,7 +101,7 @@ class OpenAIServing:
             request_id=response_format.response_id, prompt_token_ids=prompt_token_ids,
             block_hashes=hash_token_blocks(prompt_token_ids, self.model.block_size, cache_salt=body.cache_salt,
                                            seed=self.model.hash_seed),
-            params=params, cache_salt=body.cache_salt, session_id=body.session_id)
+            params=params, cache_salt=body.cache_salt, session_id=body.session_id, last_turn=body.last_turn)
         outputs = self.engine.generate(request)
         replica_id = await anext(outputs)
         tracker = self.metrics.track(replica_id, arrival_time)

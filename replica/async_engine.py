@@ -7,6 +7,7 @@ steps, never during one.
 """
 import asyncio
 import logging
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ class EngineRequest:
     cache_salt: str | None = None
     priority: int = 0
     session_id: str | None = None  # the conversation or agent program it is a turn of
+    last_turn: bool = False  # the program's last: under the continuum policy, nothing to pin its blocks for
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,7 @@ class AsyncEngine:
         self._after_step = after_step
         self._idle_interval_s = idle_interval_s
         self._streams: dict[str, asyncio.Queue] = {}
-        self._to_add: list[tuple[EngineRequest, asyncio.Queue]] = []
+        self._to_add: deque[tuple[EngineRequest, asyncio.Queue]] = deque()
         self._to_abort: list[str] = []
         self._calls: list[tuple[Callable[["EngineCore"], Any], asyncio.Future]] = []
         self._wakeup = asyncio.Event()
@@ -143,9 +145,9 @@ class AsyncEngine:
 
     def _apply_pending(self) -> None:
         # Additions first: a caller may have gone away before its request was even added.
-        additions, self._to_add = self._to_add, []
-        for request, queue in additions:
-            self._add(request, queue)
+        while self._to_add:
+            self._add(*self._to_add[0])  # if it raises, the request is still listed for _fail_all to answer
+            self._to_add.popleft()
         aborts, self._to_abort = self._to_abort, []
         if aborts:
             self.core.abort(aborts)
@@ -158,7 +160,8 @@ class AsyncEngine:
     def _add(self, request: EngineRequest, queue: asyncio.Queue) -> None:
         try:
             self.core.add_request(request.request_id, request.prompt_token_ids, request.params,
-                                  priority=request.priority, cache_salt=request.cache_salt)
+                                  priority=request.priority, cache_salt=request.cache_salt,
+                                  session_id=request.session_id, last_turn=request.last_turn)
         except ValueError as exc:
             queue.put_nowait(exc)
             return

@@ -125,10 +125,12 @@ class EngineCore:
         return min(wanted, kv_capacity)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                    priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None) -> None:
+                    priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None,
+                    session_id: str | None = None, last_turn: bool = False) -> None:
         """Queue a request; ValueError (and nothing queued) on bad input."""
         request = Request(request_id, prompt_token_ids, params, priority=priority, arrival_time=arrival_time,
-                          cache_salt=cache_salt, eos_token_id=self.tokenizer.eos_token_id)
+                          cache_salt=cache_salt, eos_token_id=self.tokenizer.eos_token_id, session_id=session_id,
+                          last_turn=last_turn)
         if max(request.prompt_token_ids) >= self.model_config.vocab_size:
             raise ValueError(f"prompt token ids must be integers in [0, {self.model_config.vocab_size})")
         self.scheduler.add_request(request)

@@ -163,3 +163,25 @@ def test_flat_engine_args_fill_the_nested_sections():
     assert (config.cache.block_size, config.scheduler.reserve_full_sequence, config.max_model_len) == (32, False, 64)
     with pytest.raises(ValueError, match="not on its scheduler"):
         EngineConfig(scheduler={"max_model_len": 64})
+
+
+def test_continuum_pins_a_programs_turn_for_the_next_without_changing_a_token(llm):
+    engine = make_llm(policy="continuum").engine
+    first = llm.generate(PROMPTS[2], GREEDY)[0]
+
+    def run(request_id: str, prompt: list[int], **kwargs) -> list:
+        engine.add_request(request_id, prompt, GREEDY, **kwargs)
+        outputs = []
+        while engine.has_unfinished():
+            outputs += engine.step()
+        return outputs
+
+    assert [t for output in run("p/1", first.prompt_token_ids, session_id="p") for t in output.new_token_ids] == \
+        first.token_ids
+    assert engine.stats().kv_usage > 0 and engine.stats().pins.pinned == 1  # nothing runs, the pin holds
+    history = first.prompt_token_ids + first.token_ids + [11, 12, 13]
+    outputs = run("p/2", history, session_id="p", last_turn=True)
+    assert [t for output in outputs for t in output.new_token_ids] == llm.generate(history, GREEDY)[0].token_ids
+    computed = len(first.prompt_token_ids) + len(first.token_ids) - 1  # the last token was never fed back
+    assert outputs[-1].num_cached_tokens == computed // 16 * 16
+    assert engine.stats().pins.hits == 1 and engine.stats().kv_usage == 0  # the last turn ends the pin

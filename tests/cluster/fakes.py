@@ -39,12 +39,13 @@ class FakeEngineCore:
         self._events: list = []
 
     def add_request(self, request_id, prompt_token_ids, params, *, priority=0, cache_salt=None,
-                    arrival_time=None) -> None:
+                    arrival_time=None, session_id=None, last_turn=False) -> None:
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
-        self.requests[request_id] = EngineRequest(request_id, prompt_token_ids, [], params, cache_salt)
+        self.requests[request_id] = EngineRequest(request_id, prompt_token_ids, [], params, cache_salt,
+                                                  session_id=session_id, last_turn=last_turn)
         self.generated[request_id] = 0
         hashes = hash_token_blocks(prompt_token_ids, BLOCK_SIZE, seed=HASH_SEED)
         new = [block_hash for block_hash in hashes if block_hash not in self.cached]

@@ -13,7 +13,7 @@ from cluster.serving import OpenAIServing
 from replica.async_engine import ModelInfo
 from replica.kv_cache import hash_token_blocks
 from replica.request import SamplingParams
-from replica.scheduler import SchedulerStats
+from replica.scheduler import PinStats, SchedulerStats
 from router.messages import ReplicaSnapshot, RouterSnapshot
 
 from .fakes import BLOCK_SIZE, HASH_SEED, VOCAB_SIZE, FakeEngineClient, FakeTokenizer
@@ -91,15 +91,19 @@ def test_engine_gets_token_ids_block_hashes_and_sampling_params():
     assert sent.request_id.startswith("cmpl-")
 
 
-def test_a_session_id_reaches_the_engine_from_the_body_or_the_header():
+def test_a_session_id_and_last_turn_reach_the_engine_from_the_body_or_the_header():
     engine = FakeEngineClient()
     app = make_app(engine)
     messages = [{"role": "user", "content": "hi"}]
     request(app, "POST", "/v1/chat/completions", json={"model": MODEL, "messages": messages, "session_id": "body"},
             headers={"X-Session-Id": "header"})
-    request(app, "POST", "/v1/completions", json={"model": MODEL, "prompt": "hi"}, headers={"X-Session-Id": "agent-7"})
+    request(app, "POST", "/v1/completions", json={"model": MODEL, "prompt": "hi", "last_turn": True},
+            headers={"X-Session-Id": "agent-7"})
     request(app, "POST", "/v1/completions", json={"model": MODEL, "prompt": "hi"})
-    assert [sent.session_id for sent in engine.requests] == ["body", "agent-7", None]
+    assert [(sent.session_id, sent.last_turn) for sent in engine.requests] == [
+        ("body", False), ("agent-7", True), (None, False)]
+    response = request(app, "POST", "/v1/completions", json={"model": MODEL, "prompt": "hi", "last_turn": "soon"})
+    assert response.status_code == 400 and "last_turn" in response.json()["error"]["message"]
 
 
 def test_completion_accepts_token_ids_and_defaults_to_16_tokens():
@@ -275,7 +279,7 @@ def test_models_lists_the_served_model():
 
 def test_metrics_have_one_series_per_replica():
     stats = SchedulerStats(num_running=2, num_waiting=1, kv_usage=0.25, num_preemptions=3, prefix_cache_queries=40,
-                           prefix_cache_hits=16)
+                           prefix_cache_hits=16, pins=PinStats(12, 9, 6, 2, 1, 300, 240))
     snapshot = RouterSnapshot("prefix", {"replica-a": ReplicaSnapshot(stats, 5, 2, 32, 16, 3)},
                               {"prefix_hit": 4, "no_hit": 1})
     app = make_app(FakeEngineClient("replica-a"), snapshot=snapshot)
@@ -293,6 +297,13 @@ def test_metrics_have_one_series_per_replica():
         'prefixserve:num_preemptions_total{replica="replica-a"} 3.0',
         'prefixserve:prefix_cache_queries_total{replica="replica-a"} 40.0',
         'prefixserve:prefix_cache_hits_total{replica="replica-a"} 16.0',
+        'prefixserve:pinned_blocks{replica="replica-a"} 12.0',
+        'prefixserve:pins_total{replica="replica-a"} 9.0',
+        'prefixserve:pin_hits_total{replica="replica-a"} 6.0',
+        'prefixserve:pins_expired_total{replica="replica-a"} 2.0',
+        'prefixserve:pins_released_total{replica="replica-a"} 1.0',
+        'prefixserve:next_turn_prefix_cache_queries_total{replica="replica-a"} 300.0',
+        'prefixserve:next_turn_prefix_cache_hits_total{replica="replica-a"} 240.0',
         'prefixserve:router_index_blocks{replica="replica-a"} 5.0',
         'prefixserve:router_requests_in_flight{replica="replica-a"} 2.0',
         'prefixserve:router_parked_sessions{replica="replica-a"} 3.0',

@@ -126,3 +126,16 @@ def test_a_failing_step_fails_every_request_and_the_engine():
     failure, error = run(test, FakeEngineCore(fail_step=True))
     assert isinstance(failure, RuntimeError) and str(failure) == "the model crashed"
     assert error is failure
+
+
+def test_an_unexpected_error_adding_a_request_reaches_its_caller_and_stops_the_engine():
+    class BrokenCore(FakeEngineCore):
+        def add_request(self, *args, **kwargs):
+            raise RuntimeError("the core is broken")
+
+    async def test(engine, core):
+        with pytest.raises(RuntimeError, match="the core is broken"):
+            await asyncio.wait_for(collect(engine, engine_request("a")), timeout=10)
+        return engine.error
+
+    assert str(run(test, BrokenCore())) == "the core is broken"
