@@ -29,13 +29,23 @@ class RequestRecord:
     num_cached_tokens: int = 0
 
 
+class SimClock:
+    """Simulated seconds, read by the router and by the replicas' schedulers (pin expiry)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 class Simulation:
     def __init__(self, programs: list[Program], replicas: list[SimReplica], make_router: Callable,
-                 block_size: int, publish_lag_s: float = 0.01):
-        self.now = 0.0
+                 block_size: int, clock: SimClock, publish_lag_s: float = 0.01):
+        self.clock = clock
         self.programs = {program.session_id: program for program in programs}
         self.replicas = {replica.replica_id: replica for replica in replicas}
-        self.router = make_router(list(self.replicas), lambda: self.now)
+        self.router = make_router(list(self.replicas), clock)
         self.block_size = block_size
         self.publish_lag_s = publish_lag_s
         self.records: dict[str, RequestRecord] = {}
@@ -46,9 +56,13 @@ class Simulation:
         for program in self.programs.values():
             self._at(program.start_s, self._arrive, program, 0)
         while self._events:
-            self.now, _, action, args = heapq.heappop(self._events)
+            self.clock.now, _, action, args = heapq.heappop(self._events)
             action(*args)
         return list(self.records.values())
+
+    @property
+    def now(self) -> float:
+        return self.clock.now
 
     def _at(self, when: float, action, *args) -> None:
         heapq.heappush(self._events, (when, next(self._order), action, args))
@@ -61,7 +75,8 @@ class Simulation:
         self.records[request_id] = RequestRecord(request_id, program.session_id, replica_id, self.now,
                                                  len(turn.prompt))
         replica = self.replicas[replica_id]
-        replica.add(request_id, turn.prompt, block_hashes, turn.output, self.now)
+        replica.add(request_id, turn.prompt, block_hashes, turn.output, self.now, program.session_id,
+                    turn_index == len(program.turns) - 1)
         if not replica.busy:
             self._start_step(replica)
 

@@ -3,7 +3,7 @@ from dataclasses import dataclass
 
 from router import PolicyConfig
 
-from .cluster import RequestRecord, Simulation
+from .cluster import RequestRecord, SimClock, Simulation
 from .pooled_lru import pooled_lru
 from .replica import SimReplica
 from .report import RunMetrics, measure
@@ -17,14 +17,17 @@ class ClusterSpec:
     num_blocks: int = 2048      # KV blocks per replica: 32k tokens at 16 per block
     block_size: int = 16
     publish_lag_s: float = 0.01  # a publication reaches the router this long after its step
+    queue_policy: str = "fcfs"   # the replicas' SchedulerConfig.policy
 
 
 def simulate(programs: list[Program], num_replicas: int, policy: str, step_model: StepModel,
              spec: ClusterSpec, seed: int, config: PolicyConfig | None = None
              ) -> tuple[list[RequestRecord], list[SimReplica]]:
-    replicas = [SimReplica(f"r{i}", spec.num_blocks, spec.block_size, step_model) for i in range(num_replicas)]
+    clock = SimClock()
+    replicas = [SimReplica(f"r{i}", spec.num_blocks, spec.block_size, step_model, clock, spec.queue_policy)
+                for i in range(num_replicas)]
     simulation = Simulation(programs, replicas, lambda ids, clock: make_router(
-        policy, ids, spec.block_size, clock, seed, config), spec.block_size, spec.publish_lag_s)
+        policy, ids, spec.block_size, clock, seed, config), spec.block_size, clock, spec.publish_lag_s)
     return simulation.run(), replicas
 
 

@@ -5,6 +5,7 @@ end every request that finished its prompt samples the next token of its scripte
 every step the replica publishes to the router as cluster/publisher.py does: its KV events, its
 stats and the requests that finished, numbered 1, 2, 3...
 """
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from replica.kv_cache import BlockHash, KVCacheManager, KVEvent
@@ -28,11 +29,12 @@ class Publication:
 
 class SimReplica:
     def __init__(self, replica_id: str, num_blocks: int, block_size: int, step_model: StepModel,
-                 max_model_len: int = 8192):
+                 clock: Callable[[], float], queue_policy: str = "fcfs", max_model_len: int = 8192):
         self.replica_id = replica_id
         self.kv_cache_manager = KVCacheManager(num_blocks, block_size, watermark=WATERMARK,
                                                max_model_len=max_model_len)
-        self.scheduler = Scheduler(SchedulerConfig(max_model_len=max_model_len), self.kv_cache_manager)
+        self.scheduler = Scheduler(SchedulerConfig(max_model_len=max_model_len, policy=queue_policy),
+                                   self.kv_cache_manager, clock)
         self.step_model = step_model
         self.busy = False
         self._scripts: dict[str, list[int]] = {}
@@ -41,9 +43,9 @@ class SimReplica:
         self._seq = 0
 
     def add(self, request_id: str, prompt: list[int], block_hashes: list[BlockHash], output: list[int],
-            now: float) -> None:
+            now: float, session_id: str, last_turn: bool) -> None:
         request = Request(request_id, prompt, SamplingParams(max_tokens=len(output), ignore_eos=True),
-                          arrival_time=now)
+                          arrival_time=now, session_id=session_id, last_turn=last_turn)
         request.block_hashes = list(block_hashes)  # hashed once at the ingress, as the cluster does
         self.scheduler.add_request(request)
         self._scripts[request_id] = output

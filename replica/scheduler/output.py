@@ -56,7 +56,7 @@ class PinStats:
     num_pinned_blocks: int = 0  # distinct blocks the pins hold
     pinned: int = 0             # finished turns whose blocks were pinned
     hits: int = 0               # next turns admitted while their program's pin held their history
-    expired: int = 0            # pins that ran out of time
+    expired: int = 0            # pins that ran out of time before the program's next turn came
     released: int = 0           # pins released early to give a running request or an admission blocks
     next_turn_queries: int = 0  # prompt tokens of next turns (their program's last turn finished here)
     next_turn_hits: int = 0     # of those, found in the prefix cache at admission

@@ -3,7 +3,8 @@ until the program's next turn arrives to reuse them, or until a time-to-live pre
 tool gaps observed so far.
 
 A pin never costs a running request: the scheduler releases pins (expired ones at the start of each
-step, then the ones with the least time left) before it preempts or stops admitting.
+step, then the ones with the least time left) before it preempts. A waiting request releases pins
+that have time left only when nothing runs.
 """
 import statistics
 from collections import OrderedDict, deque
@@ -63,8 +64,12 @@ class ToolGapEstimator:
 
 @dataclass(slots=True)
 class Pin:
+    """Held from the turn's finish until the program's next turn finishes (and pins its own blocks),
+    or until it expires: also while the next turn runs, so that a preempted next turn finds its
+    history still there."""
     request: Request  # the finished turn whose blocks are held
     expires_at: float
+    hit: bool = False  # the program's next turn was admitted while it held the history
 
 
 class Pins:
@@ -86,6 +91,9 @@ class Pins:
         if pin is not None:
             del self._by_request_id[pin.request.request_id]
         return pin
+
+    def get(self, session_id: str | None) -> Pin | None:
+        return self._by_session.get(session_id)
 
     def session_of(self, request_id: str) -> str | None:
         return self._by_request_id.get(request_id)

@@ -93,7 +93,8 @@ class Scheduler:
         self.kv_cache_manager.new_step_starts()
         for pin in self.pins.pop_expired(self._clock()):
             self._release(pin)
-            self._count_pin_event("expired", pin.request.request_id)
+            if not pin.hit:
+                self._count_pin_event("expired", pin.request.request_id)
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
@@ -144,7 +145,7 @@ class Scheduler:
             new_blocks = kv.allocate_slots(request, num_new_tokens, num_computed_tokens, computed_blocks,
                                            full_sequence_must_fit=self.config.reserve_full_sequence)
             if new_blocks is None:
-                if self._release_a_pin_for(request):
+                if self._may_release_pins_to_admit() and self._release_a_pin_for(request):
                     continue
                 break  # strict head-of-line: no skipping ahead, no preempting to admit
             self.waiting.pop()
@@ -185,12 +186,20 @@ class Scheduler:
             self._next_turns.remove(request.request_id)
             self.pin_stats.next_turn_queries += request.num_tokens
             self.pin_stats.next_turn_hits += num_computed_tokens
-            if request.session_id in self.pins:
+            if (pin := self.pins.get(request.session_id)) is not None and not pin.hit:
+                pin.hit = True
                 self._count_pin_event("hits", request.request_id)
 
+    def _may_release_pins_to_admit(self) -> bool:
+        """While the replica runs something, an admission waits for pins to expire or for their programs'
+        next turns, which go first: under memory pressure, releasing pins for new programs evicts the
+        histories the pinned programs come back for, and both recompute (benchmarks/results/agents.md).
+        With nothing running, waiting would leave the replica idle through the tool gaps."""
+        return not self.running
+
     def _release_a_pin_for(self, request: Request) -> bool:
-        """Free the pin with the least time left, other than the request's own program's: pins go
-        before any preemption, and before a waiting request is held back."""
+        """Free the pin with the least time left, other than the request's own program's: pins go before
+        any preemption."""
         pin = self.pins.pop_least_time_left(keep=request.session_id)
         if pin is None:
             return False

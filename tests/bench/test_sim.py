@@ -3,7 +3,7 @@ from collections import Counter
 
 import pytest
 
-from benchmarks.sim.cluster import RequestRecord, Simulation
+from benchmarks.sim.cluster import RequestRecord, SimClock, Simulation
 from benchmarks.sim.pooled_lru import pooled_lru
 from benchmarks.sim.replica import SimReplica
 from benchmarks.sim.routers import make_router
@@ -14,18 +14,20 @@ BLOCK_SIZE = 16
 STEP_MODEL = StepModel(a=0.01, b=2e-4, c=1e-3, d=1e-6)  # fixed, so the test does not follow calibrations
 
 
-def simulate(policy: str, workload: str = "multi-turn", num_replicas: int = 3):
+def simulate(policy: str, workload: str = "multi-turn", num_replicas: int = 3, queue_policy: str = "fcfs"):
     programs = make_workload(workload, seed=1, num_replicas=num_replicas, num_requests=24)
     assign_starts(programs, requests_per_s=6.0, seed=1)
-    replicas = [SimReplica(f"r{i}", 1024, BLOCK_SIZE, STEP_MODEL) for i in range(num_replicas)]
+    clock = SimClock()
+    replicas = [SimReplica(f"r{i}", 1024, BLOCK_SIZE, STEP_MODEL, clock, queue_policy) for i in range(num_replicas)]
     simulation = Simulation(programs, replicas, lambda ids, clock: make_router(policy, ids, BLOCK_SIZE, clock, 0),
-                            BLOCK_SIZE)
+                            BLOCK_SIZE, clock)
     return simulation, simulation.run(), programs, replicas
 
 
-@pytest.mark.parametrize("policy", ["prefix", "sglang", "ray"])
-def test_every_turn_finishes_and_no_block_leaks(policy):
-    _, records, programs, replicas = simulate(policy)
+@pytest.mark.parametrize("policy, queue_policy", [("prefix", "fcfs"), ("sglang", "fcfs"), ("ray", "fcfs"),
+                                                  ("prefix", "continuum")])
+def test_every_turn_finishes_and_no_block_leaks(policy, queue_policy):
+    _, records, programs, replicas = simulate(policy, queue_policy=queue_policy)
     assert len(records) == sum(len(program.turns) for program in programs)
     assert all(record.finished_s is not None and record.first_token_s >= record.arrival_s for record in records)
     assert [replica.kv_cache_manager.usage for replica in replicas] == [0.0] * len(replicas)

@@ -91,20 +91,41 @@ def test_a_last_turn_and_an_abort_end_the_programs_pin():
     assert scheduler.make_stats().pins == PinStats(pinned=2, hits=1, next_turn_queries=10, next_turn_hits=8)
 
 
-def test_pins_with_the_least_time_left_are_released_before_an_admission_waits():
-    clock = FakeClock()
-    scheduler = continuum(clock, num_blocks=10)
+def pin_two_programs(clock: FakeClock, scheduler) -> None:
+    """p's pin expires at 2.0 s, q's at 3.0 s; 2 blocks each."""
     for start, session in ((0.0, "p"), (1.0, "q")):
         clock.now = start
         scheduler.add_request(turn(f"{session}/1", [ord(session)] * 8, session_id=session))
         run_to_completion(scheduler)
+
+
+def test_with_nothing_running_an_admission_takes_the_pins_with_the_least_time_left():
+    clock = FakeClock()
+    scheduler = continuum(clock, num_blocks=10)
+    pin_two_programs(clock, scheduler)
     assert num_free(scheduler) == 5
     scheduler.add_request(turn("r", list(range(100, 124)), session_id=None))  # 6 blocks
     output, _ = step(scheduler)
     assert output.num_scheduled_tokens == {"r": 24}
-    assert scheduler.make_stats().num_preemptions == 0
-    assert [pin.request.request_id for pin in scheduler.pins] == ["q/1"]  # p's expired first
+    assert [pin.request.request_id for pin in scheduler.pins] == ["q/1"]
     assert scheduler.make_stats().pins == PinStats(num_pinned_blocks=2, pinned=2, released=1)
+
+
+def test_while_a_request_runs_an_admission_waits_for_pins_to_expire():
+    clock = FakeClock()
+    scheduler = continuum(clock, num_blocks=12)
+    pin_two_programs(clock, scheduler)
+    scheduler.add_request(turn("running", list(range(200, 208)), session_id=None, max_tokens=50))  # 2 blocks
+    step(scheduler)
+    assert num_free(scheduler) == 5
+    scheduler.add_request(turn("r", list(range(100, 124)), session_id=None))  # 6 blocks
+    output, _ = step(scheduler)
+    assert output.num_scheduled_tokens == {"running": 1}
+    clock.now = 2.0  # p's pin expires
+    output, _ = step(scheduler)
+    assert output.num_scheduled_tokens == {"running": 1, "r": 24}
+    assert [pin.request.request_id for pin in scheduler.pins] == ["q/1"]
+    assert scheduler.make_stats().pins == PinStats(num_pinned_blocks=2, pinned=2, expired=1)
 
 
 def test_pins_are_released_before_a_running_request_is_preempted():

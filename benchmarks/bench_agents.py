@@ -1,0 +1,268 @@
+"""Agent programs under the continuum queue policy against fcfs, in the same run: job completion
+time, next-turn TTFT and recomputed tokens.
+
+An agent program sends a turn, gets a tool call back, waits for the tool (the gap) and sends its
+next turn: the whole history plus the tool's result. Programs name themselves (X-Session-Id) and
+mark their final turn ("last_turn"). Under continuum a replica keeps a finished turn's KV blocks
+pinned for the program's next turn and serves pinned programs' turns first; under fcfs the
+history is freed and, under memory pressure, evicted before the next turn comes back.
+
+- Simulated (default): benchmarks/sim's agents workload (programs of 10-30 turns, lognormal tool
+  gaps of 1-10 s, contexts up to 7000 tokens) on --replicas simulated replicas (the engine's real
+  Scheduler and KVCacheManager, --num-blocks blocks each) behind the real router.Router (prefix),
+  --programs-per-replica programs per replica started over --ramp seconds.
+- Live (--live): the app on a local Ray cluster (loopback only), real model, --live-replicas
+  replicas with --live-kv-blocks KV blocks each, --live-programs programs of --live-turns turns.
+
+    python benchmarks/bench_agents.py                     # simulated, 16 replicas
+    python benchmarks/bench_agents.py --live --no-sim     # live app, 2 replicas
+"""
+import argparse
+import asyncio
+import math
+import os
+import random
+import socket
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+
+QUEUE_POLICIES = ("fcfs", "continuum")
+WORDS = ("river stone light garden window paper silver engine market winter harbor candle forest "
+         "signal mirror ladder orbit canvas thunder meadow lantern velvet copper shadow").split()
+
+
+@dataclass
+class TurnResult:
+    program: str
+    arrival_s: float
+    first_token_s: float
+    finished_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    history_tokens: int  # prompt tokens an earlier turn of the program computed; 0 for a first turn
+
+
+@dataclass
+class Summary:
+    queue_policy: str
+    turns: list[TurnResult]
+
+    def job_completion_s(self) -> list[float]:
+        programs: dict[str, list[TurnResult]] = {}
+        for turn in self.turns:
+            programs.setdefault(turn.program, []).append(turn)
+        return [max(t.finished_s for t in turns) - min(t.arrival_s for t in turns) for turns in programs.values()]
+
+    def next_turn_ttft_s(self) -> list[float]:
+        return [t.first_token_s - t.arrival_s for t in self.turns if t.history_tokens]
+
+    def recomputed_tokens(self) -> int:
+        return sum(max(t.history_tokens - t.cached_tokens, 0) for t in self.turns)
+
+
+def _quantile(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
+
+
+def report(title: str, summaries: list[Summary], notes: dict[str, str]) -> str:
+    baseline = summaries[0]
+    lines = [f"### {title}", "",
+             "| queue policy | JCT mean (s) | p50 | p90 | next-turn TTFT p50 (s) | p99 | recomputed tokens "
+             "| mean JCT vs fcfs | pins |", "|---|---|---|---|---|---|---|---|---|"]
+    for summary in summaries:
+        jct, ttft = summary.job_completion_s(), summary.next_turn_ttft_s()
+        lines.append(f"| {summary.queue_policy} | {statistics.mean(jct):.1f} | {_quantile(jct, 0.5):.1f} "
+                     f"| {_quantile(jct, 0.9):.1f} | {_quantile(ttft, 0.5):.2f} | {_quantile(ttft, 0.99):.2f} "
+                     f"| {summary.recomputed_tokens()} "
+                     f"| {statistics.mean(baseline.job_completion_s()) / statistics.mean(jct):.2f}x "
+                     f"| {notes.get(summary.queue_policy, '-')} |")
+    return "\n".join(lines)
+
+
+def _describe_pins(pinned: float, hits: float, expired: float, released: float) -> str:
+    return f"{pinned:.0f} pinned, {hits:.0f} hit, {expired:.0f} expired, {released:.0f} released"
+
+
+# --- simulated ---------------------------------------------------------------------------------
+
+def simulated(args: argparse.Namespace) -> str:
+    from benchmarks.sim.experiment import ClusterSpec, simulate
+    from benchmarks.sim.step_model import StepModel
+    from benchmarks.sim.workloads import make_workload
+
+    step_model = StepModel.load(args.step_model)
+    num_programs = args.programs_per_replica * args.replicas
+    programs = make_workload("agents", args.seed, args.replicas, 30 * num_programs)[:num_programs]
+    rng = random.Random(args.seed)
+    for program in programs:
+        program.start_s = rng.uniform(0, args.ramp)
+    summaries, notes = [], {}
+    for queue_policy in QUEUE_POLICIES:
+        spec = ClusterSpec(num_blocks=args.num_blocks, queue_policy=queue_policy)
+        records, replicas = simulate(programs, args.replicas, "prefix", step_model, spec, args.seed)
+        by_id = {record.request_id: record for record in records}
+        turns = []
+        for program in programs:
+            for index, turn in enumerate(program.turns):
+                record = by_id[f"{program.session_id}/{index}"]
+                previous = program.turns[index - 1] if index else None
+                history = len(previous.prompt) + len(previous.output) - 1 if previous else 0
+                turns.append(TurnResult(program.session_id, record.arrival_s, record.first_token_s, record.finished_s,
+                                        record.num_prompt_tokens, record.num_cached_tokens, history))
+        summaries.append(Summary(queue_policy, turns))
+        pins = [replica.scheduler.make_stats().pins for replica in replicas]
+        notes[queue_policy] = _describe_pins(*(sum(getattr(p, name) for p in pins)
+                                               for name in ("pinned", "hits", "expired", "released")))
+        print(f"simulated {queue_policy}: {len(records)} turns", flush=True)
+    title = (f"Simulated: {args.replicas} replicas x {args.num_blocks} KV blocks of 16 tokens, {num_programs} agent "
+             f"programs ({sum(len(p.turns) for p in programs)} turns) started over {args.ramp:.0f} s, prefix router, "
+             f"{args.step_model} step model, seed {args.seed}")
+    return report(title, summaries, notes)
+
+
+# --- live --------------------------------------------------------------------------------------
+
+@dataclass
+class LiveProgram:
+    name: str
+    system: str
+    tool_results: list[str]
+    gaps_s: list[float]
+
+
+def make_live_programs(args: argparse.Namespace) -> list[LiveProgram]:
+    rng = random.Random(args.seed)
+
+    def words(n: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(n))
+
+    systems = [f"You are agent {i}. Tools: search, read, write. {words(args.live_system_words)}" for i in range(2)]
+    return [LiveProgram(f"agent-{i}", f"{rng.choice(systems)}\nTask {i}: {words(30)}\n",
+                        [f"Tool result: {words(rng.randint(40, 90))}\nAssistant:" for _ in range(args.live_turns)],
+                        [min(max(rng.lognormvariate(math.log(1.5), 0.6), 0.5), 5.0) for _ in range(args.live_turns)])
+            for i in range(args.live_programs)]
+
+
+async def run_program(client, model: str, program: LiveProgram, max_tokens: int, clock_start: float) -> list[TurnResult]:
+    results, context, history = [], program.system, 0
+    for index, tool_result in enumerate(program.tool_results):
+        if index:
+            await asyncio.sleep(program.gaps_s[index])
+        context += tool_result
+        last = index == len(program.tool_results) - 1
+        arrival = time.monotonic() - clock_start
+        stream = await client.completions.create(
+            model=model, prompt=context, max_tokens=max_tokens, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_headers={"X-Session-Id": program.name},
+            extra_body={"ignore_eos": True, "last_turn": last})
+        first_token, text = None, ""
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                first_token = first_token or time.monotonic() - clock_start
+                text += chunk.choices[0].text
+            if chunk.usage is not None:
+                usage = chunk.usage
+        results.append(TurnResult(program.name, arrival, first_token, time.monotonic() - clock_start,
+                                  usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens, history))
+        history = usage.prompt_tokens + usage.completion_tokens - 1
+        context += text + "\n"
+    return results
+
+
+async def run_live_workload(base_url: str, programs: list[LiveProgram], max_tokens: int) -> list[TurnResult]:
+    import openai
+
+    async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=900) as client:
+        model = (await client.models.list()).data[0].id
+        start = time.monotonic()
+        per_program = await asyncio.gather(*(run_program(client, model, p, max_tokens, start) for p in programs))
+    return [turn for turns in per_program for turn in turns]
+
+
+async def pin_metrics(base_url: str) -> str:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from cluster.metrics import PREFIX
+
+    async with httpx.AsyncClient() as client:
+        text = (await client.get(f"{base_url}/metrics")).text
+    totals = {family.name.removeprefix(PREFIX): sum(sample.value for sample in family.samples
+                                                     if sample.name.endswith("_total"))
+              for family in text_string_to_metric_families(text)}
+    return _describe_pins(totals.get("pins", 0), totals.get("pin_hits", 0), totals.get("pins_expired", 0),
+                          totals.get("pins_released", 0))
+
+
+def live(args: argparse.Namespace) -> str:
+    from cluster.local_ray import init_local_ray
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    num_cpus = os.cpu_count() or 1
+    init_local_ray(num_cpus, log_to_driver=False)  # before anything imports ray
+    import ray
+    from ray import serve
+
+    from cluster.app import APP_NAME, build
+    from cluster.config import ClusterConfig
+
+    programs = make_live_programs(args)
+    base_url = f"http://127.0.0.1:{port}"
+    summaries, notes = [], {}
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        for queue_policy in QUEUE_POLICIES:
+            engine = {"num_kv_blocks": args.live_kv_blocks, "max_model_len": args.live_kv_blocks * 16 - 16,
+                      "policy": queue_policy}
+            config = ClusterConfig(engine=engine, num_replicas=args.live_replicas,
+                                   replica_num_cpus=min(1.0, num_cpus / args.live_replicas))
+            serve.run(build(config), name=APP_NAME, route_prefix="/")
+            started = time.monotonic()
+            summaries.append(Summary(queue_policy, asyncio.run(run_live_workload(base_url, programs, args.max_tokens))))
+            notes[queue_policy] = asyncio.run(pin_metrics(base_url))
+            print(f"live {queue_policy}: {time.monotonic() - started:.0f} s", flush=True)
+            serve.delete(APP_NAME)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    title = (f"Live: {args.live_replicas} CPU replicas of SmolLM2-135M x {args.live_kv_blocks} KV blocks of 16 tokens, "
+             f"{args.live_programs} programs x {args.live_turns} turns, tool gaps 0.5-5 s, {args.max_tokens} tokens "
+             f"per tool call, prefix router, seed {args.seed}")
+    return report(title, summaries, notes)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--no-sim", dest="sim", action="store_false", help="skip the simulated run")
+    parser.add_argument("--replicas", type=int, default=16)
+    parser.add_argument("--num-blocks", type=int, default=2048, help="KV blocks per simulated replica")
+    parser.add_argument("--programs-per-replica", type=int, default=4)
+    parser.add_argument("--ramp", type=float, default=30.0, help="seconds over which the programs start")
+    parser.add_argument("--step-model", default="calibrated", choices=["calibrated", "gpu-assumed"])
+    parser.add_argument("--live", action="store_true", help="also run against the live app")
+    parser.add_argument("--live-replicas", type=int, default=2)
+    parser.add_argument("--live-kv-blocks", type=int, default=96)
+    parser.add_argument("--live-programs", type=int, default=8)
+    parser.add_argument("--live-turns", type=int, default=8)
+    parser.add_argument("--live-system-words", type=int, default=200)
+    parser.add_argument("--max-tokens", type=int, default=8, help="tokens of each live tool call")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--markdown", help="append the tables here")
+    args = parser.parse_args()
+    tables = ([simulated(args)] if args.sim else []) + ([live(args)] if args.live else [])
+    text = "\n\n".join(["```", "python benchmarks/bench_agents.py " + " ".join(sys.argv[1:]), "```", *tables])
+    print(text)
+    if args.markdown:
+        with open(args.markdown, "a") as out:
+            out.write(text + "\n\n")
+
+
+if __name__ == "__main__":
+    main()
