@@ -90,11 +90,31 @@ def _describe_pins(pinned: float, hits: float, expired: float, released: float) 
 
 # --- simulated ---------------------------------------------------------------------------------
 
-def simulated(args: argparse.Namespace) -> str:
+def plot(panels: list[tuple[str, list[Summary]]], path: str) -> None:
+    """Per panel, the distribution of the programs' completion times under each queue policy."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
+    for axis, (title, summaries) in zip(axes[0], panels):
+        for summary in summaries:
+            jct = sorted(summary.job_completion_s())
+            axis.step(jct, [(i + 1) / len(jct) for i in range(len(jct))], where="post",
+                      label=f"{summary.queue_policy} (mean {statistics.mean(jct):.0f} s)")
+        axis.set(title=title, xlabel="job completion time (s)", ylabel="programs completed (fraction)")
+        axis.legend(loc="lower right")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def simulated(args: argparse.Namespace) -> tuple[str, list[Summary]]:
     from benchmarks.sim.experiment import ClusterSpec, simulate
     from benchmarks.sim.step_model import StepModel
-    from benchmarks.sim.workloads import make_workload
+    from benchmarks.sim.workloads import MAX_CONTEXT, make_workload
 
+    if args.num_blocks * ClusterSpec.block_size <= MAX_CONTEXT:
+        raise SystemExit(f"--num-blocks {args.num_blocks} cannot hold a program's context of up to {MAX_CONTEXT} tokens")
     step_model = StepModel.load(args.step_model)
     num_programs = args.programs_per_replica * args.replicas
     programs = make_workload("agents", args.seed, args.replicas, 30 * num_programs)[:num_programs]
@@ -122,7 +142,7 @@ def simulated(args: argparse.Namespace) -> str:
     title = (f"Simulated: {args.replicas} replicas x {args.num_blocks} KV blocks of 16 tokens, {num_programs} agent "
              f"programs ({sum(len(p.turns) for p in programs)} turns) started over {args.ramp:.0f} s, prefix router, "
              f"{args.step_model} step model, seed {args.seed}")
-    return report(title, summaries, notes)
+    return report(title, summaries, notes), summaries
 
 
 # --- live --------------------------------------------------------------------------------------
@@ -199,7 +219,7 @@ async def pin_metrics(base_url: str) -> str:
                           totals.get("pins_released", 0))
 
 
-def live(args: argparse.Namespace) -> str:
+def live(args: argparse.Namespace) -> tuple[str, list[Summary]]:
     from cluster.local_ray import init_local_ray
 
     with socket.socket() as sock:
@@ -235,7 +255,7 @@ def live(args: argparse.Namespace) -> str:
     title = (f"Live: {args.live_replicas} CPU replicas of SmolLM2-135M x {args.live_kv_blocks} KV blocks of 16 tokens, "
              f"{args.live_programs} programs x {args.live_turns} turns, tool gaps 0.5-5 s, {args.max_tokens} tokens "
              f"per tool call, prefix router, seed {args.seed}")
-    return report(title, summaries, notes)
+    return report(title, summaries, notes), summaries
 
 
 def main() -> None:
@@ -255,13 +275,17 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=8, help="tokens of each live tool call")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--markdown", help="append the tables here")
+    parser.add_argument("--plot", help="save the completion-time distributions here (needs matplotlib)")
     args = parser.parse_args()
-    tables = ([simulated(args)] if args.sim else []) + ([live(args)] if args.live else [])
-    text = "\n\n".join(["```", "python benchmarks/bench_agents.py " + " ".join(sys.argv[1:]), "```", *tables])
+    runs = ([("simulated", *simulated(args))] if args.sim else []) + ([("live", *live(args))] if args.live else [])
+    command = f"```\npython benchmarks/bench_agents.py {' '.join(sys.argv[1:])}\n```"
+    text = "\n\n".join([command, *(table for _, table, _ in runs)])
     print(text)
     if args.markdown:
         with open(args.markdown, "a") as out:
             out.write(text + "\n\n")
+    if args.plot:
+        plot([(name, summaries) for name, _, summaries in runs], args.plot)
 
 
 if __name__ == "__main__":

@@ -56,6 +56,7 @@ class Scheduler:
         self._clock = clock
         self._tool_gaps = None
         self._next_turns: set[str] = set()  # waiting requests whose program's previous turn finished here
+        self._held_back_by_pins: dict[str, float] = {}  # waiting request -> when pins first held it back
         match config.policy:
             case "priority":
                 self.waiting = PriorityRequestQueue()
@@ -145,7 +146,7 @@ class Scheduler:
             new_blocks = kv.allocate_slots(request, num_new_tokens, num_computed_tokens, computed_blocks,
                                            full_sequence_must_fit=self.config.reserve_full_sequence)
             if new_blocks is None:
-                if self._may_release_pins_to_admit() and self._release_a_pin_for(request):
+                if self._may_release_pins_to_admit(request) and self._release_a_pin_for(request):
                     continue
                 break  # strict head-of-line: no skipping ahead, no preempting to admit
             self.waiting.pop()
@@ -182,6 +183,7 @@ class Scheduler:
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += num_computed_tokens
         plan.prefix_hits[request.request_id] = (request.num_tokens, num_computed_tokens)
+        self._held_back_by_pins.pop(request.request_id, None)
         if request.request_id in self._next_turns:
             self._next_turns.remove(request.request_id)
             self.pin_stats.next_turn_queries += request.num_tokens
@@ -190,12 +192,18 @@ class Scheduler:
                 pin.hit = True
                 self._count_pin_event("hits", request.request_id)
 
-    def _may_release_pins_to_admit(self) -> bool:
+    def _may_release_pins_to_admit(self, request: Request) -> bool:
         """While the replica runs something, an admission waits for pins to expire or for their programs'
         next turns, which go first: under memory pressure, releasing pins for new programs evicts the
         histories the pinned programs come back for, and both recompute (benchmarks/results/agents.md).
-        With nothing running, waiting would leave the replica idle through the tool gaps."""
-        return not self.running
+        With nothing running, waiting would leave the replica idle through the tool gaps; and programs
+        that keep coming back renew their pins, so a request held back by pins for pin_ttl_max_s
+        takes them."""
+        if not self.pins:
+            return False
+        now = self._clock()
+        held_since = self._held_back_by_pins.setdefault(request.request_id, now)
+        return not self.running or now - held_since >= self.config.pin_ttl_max_s
 
     def _release_a_pin_for(self, request: Request) -> bool:
         """Free the pin with the least time left, other than the request's own program's: pins go before
@@ -324,6 +332,8 @@ class Scheduler:
             self.running = [request for request in self.running if request not in stopped]
 
     def _free_request(self, request: Request) -> None:
+        self._held_back_by_pins.pop(request.request_id, None)
+        self._next_turns.discard(request.request_id)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
         if request.session_id is None or self._tool_gaps is None:

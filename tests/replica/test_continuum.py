@@ -197,3 +197,25 @@ def test_the_tool_gap_estimate_is_a_quantile_of_the_programs_own_gaps_then_every
     assert estimator.ttl("b") == 10.0  # capped
     assert estimator.ttl("new") == 10.0  # everyone's: the 0.9 quantile of 1, 2, 3, 20, 20, 20 is 20
     assert not estimator.turn_arrived("new", 5.0)
+
+
+def test_a_request_held_back_by_pins_for_pin_ttl_max_s_takes_them():
+    clock = FakeClock()
+    scheduler = continuum(clock, num_blocks=12, pin_ttl_max_s=3.0)
+    scheduler.add_request(turn("p/1", [ord("p")] * 8))
+    run_to_completion(scheduler)  # pinned until 2.0
+    scheduler.add_request(turn("running", list(range(200, 208)), session_id=None, max_tokens=50))  # 2 blocks
+    step(scheduler)
+    clock.now = 0.2
+    scheduler.add_request(turn("r", list(range(100, 128)), session_id=None))  # 7 blocks, 6 free
+    step(scheduler)
+    clock.now = 1.5  # p comes back within its pin, goes first, and pins its longer history until 3.5
+    scheduler.add_request(turn("p/2", [ord("p")] * 8 + [7, 1, 2, 3]))
+    assert step(scheduler)[0].num_scheduled_tokens == {"running": 1, "p/2": 4}
+    assert scheduler.pins.get("p").expires_at == 3.5
+    clock.now = 3.1
+    assert step(scheduler)[0].num_scheduled_tokens == {"running": 1}
+    clock.now = 3.2  # r was held back 3 s: p's pin goes, though it has 0.3 s left
+    assert step(scheduler)[0].num_scheduled_tokens == {"running": 1, "r": 28}
+    assert scheduler.make_stats().pins == PinStats(pinned=2, hits=1, released=1, next_turn_queries=12,
+                                                   next_turn_hits=8)
