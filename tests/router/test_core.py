@@ -6,7 +6,7 @@ from replica.kv_cache import AllBlocksCleared, BlockStored
 from replica.scheduler import SchedulerStats
 from router import FinishedRequest, PolicyConfig, Router, RoutingDecision
 
-from .chains import BLOCK_SIZE, chain
+from .chains import BLOCK_SIZE, chain, tokens
 
 
 class FakeClock:
@@ -384,3 +384,24 @@ def test_the_index_holds_no_container_per_cached_block():
     gc.collect()
     assert len(gc.get_objects()) - tracked_before < 50
     assert router.index.match(chain(*range(5000)))["b"] == 5000
+
+
+def test_a_restarted_router_learns_a_pinned_history_from_the_resync_and_sends_the_next_turn_there():
+    from replica.request import Request, SamplingParams
+    from tests.replica.scheduler_helpers import make_scheduler, step
+
+    clock = FakeClock()
+    replicas = {replica_id: make_scheduler(num_blocks=64, block_size=BLOCK_SIZE, policy="continuum", clock=clock)
+                for replica_id in "ab"}
+    a = replicas["a"]
+    a.add_request(Request("p/1", tokens(*range(1, 41)), SamplingParams(max_tokens=1, ignore_eos=True), session_id="p"))
+    a.add_request(Request("other", tokens(*range(50, 52)), SamplingParams(max_tokens=100, ignore_eos=True)))
+    step(a)  # p/1 finishes and its 40 blocks are pinned; "other" runs on
+    a.add_request(Request("x", tokens(*range(70, 94)), SamplingParams(max_tokens=1, ignore_eos=True)))
+    step(a)  # x's 24 blocks would evict p's history; with a request running, it waits for the pin instead
+    assert [request.request_id for request in a.waiting] == ["x"] and "p" in a.pins
+    router = make_router(clock)  # restarted: knows no replica, no session
+    for replica_id, scheduler in replicas.items():
+        router.resync(replica_id, 1, scheduler.kv_cache_manager.cached_block_hashes(), scheduler.make_stats(), [])
+    next_turn = chain(*range(1, 41), 98, 99)
+    assert router.choose("p/2", next_turn, ["a", "b"], session_id="p") == RoutingDecision("a", 40, "prefix_hit")
