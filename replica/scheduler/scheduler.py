@@ -5,7 +5,6 @@ waiting requests, only if nothing was preempted. There are no prefill or decode 
 request just advances num_computed_tokens towards num_tokens. Under the continuum policy a finished
 turn of an agent program may keep its blocks pinned for the program's next turn (pins.py).
 """
-import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Iterable
@@ -15,12 +14,11 @@ from replica.kv_cache import KVCacheManager
 from replica.request import Request, RequestStatus
 from replica.scheduler.config import SchedulerConfig
 from replica.scheduler.output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
-                                      PinStats, RequestOutput, SchedulerOutput, SchedulerStats)
-from replica.scheduler.pins import Pin, Pins, ToolGapEstimator
+                                      RequestOutput, SchedulerOutput, SchedulerStats)
+from replica.scheduler.pin_keeper import PinKeeper
+from replica.scheduler.pins import Pins
 from replica.scheduler.request_queue import ContinuumRequestQueue, FCFSRequestQueue, PriorityRequestQueue
 from replica.scheduler.trace import SchedulerTrace
-
-_PINNABLE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 
 
 @dataclass
@@ -51,18 +49,13 @@ class Scheduler:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
         self.requests: dict[str, Request] = {}
-        self.pins = Pins()
-        self.pin_stats = PinStats()
-        self._clock = clock
-        self._tool_gaps = None
-        self._next_turns: set[str] = set()  # waiting requests whose program's previous turn finished here
-        self._held_back_by_pins: dict[str, float] = {}  # waiting request -> when pins first held it back
+        self._trace = SchedulerTrace.from_env()
+        self._pin_keeper = PinKeeper(config, kv_cache_manager, clock, self._trace)
         match config.policy:
             case "priority":
                 self.waiting = PriorityRequestQueue()
             case "continuum":
                 self.waiting = ContinuumRequestQueue(self.pins.__contains__)
-                self._tool_gaps = ToolGapEstimator(config.pin_ttl_default_s, config.pin_ttl_max_s)
             case _:
                 self.waiting = FCFSRequestQueue()
         self.running: list[Request] = []
@@ -71,7 +64,6 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
-        self._trace = SchedulerTrace.from_env()
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -80,11 +72,7 @@ class Scheduler:
             raise ValueError(
                 f"request {request.request_id!r}: prompt of {request.num_prompt_tokens} tokens leaves no room "
                 f"to generate within max_model_len={self.config.max_model_len}")
-        if (pinned_session := self.pins.session_of(request.request_id)) is not None:
-            self._release(self.pins.pop(pinned_session))  # the id of a finished, pinned turn, used again
-        if self._tool_gaps is not None and request.session_id is not None and \
-                self._tool_gaps.turn_arrived(request.session_id, self._clock()):
-            self._next_turns.add(request.request_id)
+        self._pin_keeper.arrived(request)
         self.kv_cache_manager.update_block_hashes(request)
         self.waiting.add(request)
         self.requests[request.request_id] = request
@@ -92,10 +80,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         plan = _StepPlan(self.config.max_num_batched_tokens)
         self.kv_cache_manager.new_step_starts()
-        for pin in self.pins.pop_expired(self._clock()):
-            self._release(pin)
-            if not pin.hit:
-                self._count_pin_event("expired", pin.request.request_id)
+        self._pin_keeper.expire()
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
@@ -118,7 +103,7 @@ class Scheduler:
                 index += 1
                 continue
             while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_new_tokens)) is None:
-                if self._release_a_pin_for(request):
+                if self._pin_keeper.release_one_for(request):
                     continue
                 victim_index = self._victim_index()
                 victim = self.running[victim_index]
@@ -146,7 +131,8 @@ class Scheduler:
             new_blocks = kv.allocate_slots(request, num_new_tokens, num_computed_tokens, computed_blocks,
                                            full_sequence_must_fit=self.config.reserve_full_sequence)
             if new_blocks is None:
-                if self._may_release_pins_to_admit(request) and self._release_a_pin_for(request):
+                if self._pin_keeper.may_release_to_admit(request, bool(self.running)) and \
+                        self._pin_keeper.release_one_for(request):
                     continue
                 break  # strict head-of-line: no skipping ahead, no preempting to admit
             self.waiting.pop()
@@ -183,45 +169,7 @@ class Scheduler:
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += num_computed_tokens
         plan.prefix_hits[request.request_id] = (request.num_tokens, num_computed_tokens)
-        self._held_back_by_pins.pop(request.request_id, None)
-        if request.request_id in self._next_turns:
-            self._next_turns.remove(request.request_id)
-            self.pin_stats.next_turn_queries += request.num_tokens
-            self.pin_stats.next_turn_hits += num_computed_tokens
-            if (pin := self.pins.get(request.session_id)) is not None and not pin.hit:
-                pin.hit = True
-                self._count_pin_event("hits", request.request_id)
-
-    def _may_release_pins_to_admit(self, request: Request) -> bool:
-        """While the replica runs something, an admission waits for pins to expire or for their programs'
-        next turns, which go first: under memory pressure, releasing pins for new programs evicts the
-        histories the pinned programs come back for, and both recompute (benchmarks/results/agents.md).
-        With nothing running, waiting would leave the replica idle through the tool gaps; and programs
-        that keep coming back renew their pins, so a request held back by pins for pin_ttl_max_s
-        takes them."""
-        if not self.pins:
-            return False
-        now = self._clock()
-        held_since = self._held_back_by_pins.setdefault(request.request_id, now)
-        return not self.running or now - held_since >= self.config.pin_ttl_max_s
-
-    def _release_a_pin_for(self, request: Request) -> bool:
-        """Free the pin with the least time left, other than the request's own program's: pins go before
-        any preemption."""
-        pin = self.pins.pop_least_time_left(keep=request.session_id)
-        if pin is None:
-            return False
-        self._release(pin)
-        self._count_pin_event("released", pin.request.request_id)
-        return True
-
-    def _release(self, pin: Pin) -> None:
-        self.kv_cache_manager.free(pin.request)
-
-    def _count_pin_event(self, kind: str, request_id: str) -> None:
-        setattr(self.pin_stats, kind, getattr(self.pin_stats, kind) + 1)
-        if self._trace is not None:
-            self._trace.pin_event(kind, request_id)
+        self._pin_keeper.admitted(request, num_computed_tokens)
 
     def _victim_index(self) -> int:
         if self.config.policy == "priority":
@@ -332,40 +280,18 @@ class Scheduler:
             self.running = [request for request in self.running if request not in stopped]
 
     def _free_request(self, request: Request) -> None:
-        self._held_back_by_pins.pop(request.request_id, None)
-        self._next_turns.discard(request.request_id)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
-        if request.session_id is None or self._tool_gaps is None:
-            self.kv_cache_manager.free(request)
-        elif request.last_turn or request.status not in _PINNABLE:  # the program ended, or was aborted
-            self.kv_cache_manager.free(request)
-            self._end_program(request.session_id)
-        else:
-            self._pin(request)
+        self._pin_keeper.finished(request)
 
-    def _pin(self, request: Request) -> None:
-        """Hold the finished turn's blocks for the program's next turn, replacing its previous pin."""
-        now = self._clock()
-        ttl = self._tool_gaps.ttl(request.session_id)
-        self._tool_gaps.turn_finished(request.session_id, now)
-        if ttl <= 0:
-            self.kv_cache_manager.free(request)
-            return
-        previous = self.pins.add(request, now + ttl)
-        if previous is not None:
-            self._release(previous)
-        self._count_pin_event("pinned", request.request_id)
-
-    def _end_program(self, session_id: str) -> None:
-        self._tool_gaps.forget(session_id)
-        if (pin := self.pins.pop(session_id)) is not None:
-            self._release(pin)
+    @property
+    def pins(self) -> Pins:
+        """Continuum: the finished turns whose blocks are held for their programs' next turns."""
+        return self._pin_keeper.pins
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; pins end first. False when running requests still hold blocks."""
-        for pin in self.pins.pop_all():
-            self._release(pin)
+        self._pin_keeper.release_all()
         return self.kv_cache_manager.reset_prefix_cache()
 
     def get_num_unfinished_requests(self) -> int:
@@ -384,8 +310,7 @@ class Scheduler:
             prefix_cache_hits=self.prefix_cache_hits,
             num_prefill_tokens_pending=sum(map(_prefill_tokens_pending, itertools.chain(self.running, self.waiting))),
             num_free_blocks=self.kv_cache_manager.block_pool.get_num_free_blocks(),
-            pins=dataclasses.replace(self.pin_stats, num_pinned_blocks=len({
-                block_id for pin in self.pins for block_id in self.kv_cache_manager.get_block_ids(pin.request.request_id)})),
+            pins=self._pin_keeper.snapshot(),
         )
 
     def num_waiting_uncached_tokens(self) -> int:

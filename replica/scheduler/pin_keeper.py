@@ -1,0 +1,118 @@
+"""PinKeeper: the scheduler's side of continuum's pins (pins.py): when a finished turn is pinned
+instead of freed, when pins end, and what happened to them (PinStats). Under other queue policies
+it pins nothing and frees every finished request."""
+import dataclasses
+from collections.abc import Callable
+
+from replica.kv_cache import KVCacheManager
+from replica.request import Request, RequestStatus
+from replica.scheduler.config import SchedulerConfig
+from replica.scheduler.output import PinStats
+from replica.scheduler.pins import Pin, Pins, ToolGapEstimator
+from replica.scheduler.trace import SchedulerTrace
+
+_PINNABLE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+
+
+class PinKeeper:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, clock: Callable[[], float],
+                 trace: SchedulerTrace | None):
+        self.pins = Pins()
+        self.stats = PinStats()
+        self._config = config
+        self._kv = kv_cache_manager
+        self._clock = clock
+        self._trace = trace
+        self._tool_gaps = (ToolGapEstimator(config.pin_ttl_default_s, config.pin_ttl_max_s)
+                           if config.policy == "continuum" else None)
+        self._next_turns: set[str] = set()  # waiting requests whose program's previous turn finished here
+        self._held_back: dict[str, float] = {}  # waiting request -> when pins first held it back
+
+    def arrived(self, request: Request) -> None:
+        if (pinned_session := self.pins.session_of(request.request_id)) is not None:
+            self._release(self.pins.pop(pinned_session))  # the id of a finished, pinned turn, used again
+        if self._tool_gaps is not None and request.session_id is not None and \
+                self._tool_gaps.turn_arrived(request.session_id, self._clock()):
+            self._next_turns.add(request.request_id)
+
+    def expire(self) -> None:
+        for pin in self.pins.pop_expired(self._clock()):
+            self._release(pin)
+            if not pin.hit:
+                self._count("expired", pin.request.request_id)
+
+    def admitted(self, request: Request, num_computed_tokens: int) -> None:
+        self._held_back.pop(request.request_id, None)
+        if request.request_id in self._next_turns:
+            self._next_turns.remove(request.request_id)
+            self.stats.next_turn_queries += request.num_tokens
+            self.stats.next_turn_hits += num_computed_tokens
+            if (pin := self.pins.get(request.session_id)) is not None and not pin.hit:
+                pin.hit = True
+                self._count("hits", request.request_id)
+
+    def may_release_to_admit(self, request: Request, anything_running: bool) -> bool:
+        """While the replica runs something, an admission waits for pins to expire or for their programs'
+        next turns, which go first: under memory pressure, releasing pins for new programs evicts the
+        histories the pinned programs come back for, and both recompute (benchmarks/results/agents.md).
+        With nothing running, waiting would leave the replica idle through the tool gaps; and programs
+        that keep coming back renew their pins, so a request held back by pins for pin_ttl_max_s
+        takes them."""
+        if not self.pins:
+            return False
+        now = self._clock()
+        held_since = self._held_back.setdefault(request.request_id, now)
+        return not anything_running or now - held_since >= self._config.pin_ttl_max_s
+
+    def release_one_for(self, request: Request) -> bool:
+        """Free the pin with the least time left, other than the request's own program's: pins go before
+        any preemption."""
+        pin = self.pins.pop_least_time_left(keep=request.session_id)
+        if pin is None:
+            return False
+        self._release(pin)
+        self._count("released", pin.request.request_id)
+        return True
+
+    def finished(self, request: Request) -> None:
+        """Free the finished request's blocks, or pin them for its program's next turn."""
+        self._held_back.pop(request.request_id, None)
+        self._next_turns.discard(request.request_id)
+        if request.session_id is None or self._tool_gaps is None:
+            self._kv.free(request)
+        elif request.last_turn or request.status not in _PINNABLE:  # the program ended, or was aborted
+            self._kv.free(request)
+            self._tool_gaps.forget(request.session_id)
+            if (pin := self.pins.pop(request.session_id)) is not None:
+                self._release(pin)
+        else:
+            self._pin(request)
+
+    def release_all(self) -> None:
+        for pin in self.pins.pop_all():
+            self._release(pin)
+
+    def snapshot(self) -> PinStats:
+        pinned_blocks = {block_id for pin in self.pins for block_id in self._kv.get_block_ids(pin.request.request_id)}
+        return dataclasses.replace(self.stats, num_pinned_blocks=len(pinned_blocks))
+
+    def _pin(self, request: Request) -> None:
+        """Hold the finished turn's blocks for the program's next turn, replacing its previous pin."""
+        now = self._clock()
+        ttl = self._tool_gaps.ttl(request.session_id)
+        self._tool_gaps.turn_finished(request.session_id, now)
+        if ttl <= 0:
+            self._kv.free(request)
+            return
+        previous = self.pins.add(request, now + ttl)
+        if previous is not None:
+            self._release(previous)
+        self._count("pinned", request.request_id)
+
+    def _release(self, pin: Pin) -> None:
+        self._kv.free(pin.request)
+
+    def _count(self, kind: str, request_id: str) -> None:
+        setattr(self.stats, kind, getattr(self.stats, kind) + 1)
+        if self._trace is not None:
+            self._trace.pin_event(kind, request_id)
