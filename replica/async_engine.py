@@ -128,6 +128,7 @@ class AsyncEngine:
                     self._dispatch(await loop.run_in_executor(self._executor, self.core.step))
                 else:
                     await self._wait_for_work()
+                    self.core.expire_pins()
                 if self._after_step is not None:
                     await self._run_after_step()
         except asyncio.CancelledError:

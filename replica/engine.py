@@ -172,6 +172,9 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.get_num_unfinished_requests() > 0
 
+    def expire_pins(self) -> None:
+        self.scheduler.expire_pins()
+
     def take_kv_events(self) -> list[KVEvent]:
         return self.kv_cache_manager.take_events()
 

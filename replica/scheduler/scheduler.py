@@ -80,7 +80,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         plan = _StepPlan(self.config.max_num_batched_tokens)
         self.kv_cache_manager.new_step_starts()
-        self._pin_keeper.expire()
+        self.expire_pins()
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
@@ -283,6 +283,11 @@ class Scheduler:
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
         self._pin_keeper.finished(request)
+
+    def expire_pins(self) -> None:
+        """Free the pins whose time is up: every step, and while the engine idles, so that an idle
+        replica's KV usage (which autoscaling reads) does not keep counting them."""
+        self._pin_keeper.expire()
 
     @property
     def pins(self) -> Pins:

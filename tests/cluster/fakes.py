@@ -34,6 +34,7 @@ class FakeEngineCore:
         self.generated: dict[str, int] = {}
         self.aborted: list[str] = []
         self.num_steps = 0
+        self.num_idle_pin_sweeps = 0
         self.fail_step = fail_step
         self.cached: list[bytes] = []
         self._events: list = []
@@ -76,6 +77,9 @@ class FakeEngineCore:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def expire_pins(self) -> None:
+        self.num_idle_pin_sweeps += 1
 
     def take_kv_events(self) -> list:
         events, self._events = self._events, []

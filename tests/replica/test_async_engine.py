@@ -104,6 +104,7 @@ def test_after_step_runs_after_every_step_and_when_idle():
     calls = run(test, core, after_step=after_step, idle_interval_s=0.01)
     assert calls[:3] == [1, 2, 3]  # after each step
     assert len(calls) >= 5 and set(calls[3:]) == {3}  # idle heartbeats
+    assert core.num_idle_pin_sweeps == len(calls) - 3  # every idle heartbeat expires pins first
 
 
 def test_a_failing_hook_does_not_stop_the_engine():

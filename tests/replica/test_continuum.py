@@ -38,10 +38,10 @@ def test_a_finished_turn_stays_pinned_until_its_ttl():
     assert num_free(scheduler) == 17  # 19 usable, 2 pinned
     assert scheduler.make_stats().pins == PinStats(num_pinned_blocks=2, pinned=1)
     clock.now = 1.9
-    scheduler.schedule()
+    scheduler.expire_pins()  # what the engine does while it idles
     assert num_free(scheduler) == 17
     clock.now = 2.0
-    scheduler.schedule()
+    scheduler.expire_pins()
     assert num_free(scheduler) == 19
     assert scheduler.make_stats().pins == PinStats(pinned=1, expired=1)
 
