@@ -4,7 +4,8 @@ N replicas (4, 16, 64 by default) each caching --blocks blocks of 16 tokens: 8k-
 (512-block chains) opening with one of 8 shared system prompts of 64 blocks. Requests are
 512-block chains: a quarter a whole cached chain, a quarter a cached chain diverging at a random
 block, a quarter a system prompt followed by new blocks, a quarter all new. Every decision goes
-through Router.choose() (match, cost model, booking); after every 8 decisions one replica
+through Router.choose() (match, cost model, booking, and the session bookkeeping: each request is
+a turn of one of 256 sessions, parked between turns on the replica that served it); after every 8 decisions one replica
 publishes a batch of 100 KV events (50 blocks stored, 50 evicted, one event each), then a batch
 that finishes the requests routed to it since (releasing their bookings). The router is warmed up the way the actor is (gc.freeze() after the initial sync).
 
@@ -33,6 +34,7 @@ TOKEN_IDS = range(49152)
 SYSTEMS = [[system] * SYSTEM_BLOCKS * BLOCK_SIZE for system in range(8)]
 EVENTS_PER_BATCH = 100
 DECISIONS_PER_BATCH = 8
+NUM_SESSIONS = 256
 
 
 def random_tokens(rng: random.Random, num_blocks: int) -> list[int]:
@@ -122,9 +124,9 @@ class PauseClock:
             self.pauses.append(time.perf_counter() - self._start)
 
 
-def timed(fn, *args) -> tuple[float, object]:
+def timed(fn, *args, **kwargs) -> tuple[float, object]:
     start = time.perf_counter()
-    result = fn(*args)
+    result = fn(*args, **kwargs)
     return time.perf_counter() - start, result
 
 
@@ -163,7 +165,8 @@ def run(num_replicas: int, blocks: int, num_requests: int) -> dict[str, list[flo
         for number, chain in enumerate(requests):
             samples["scan"].append(timed(scan_match, cluster.held, chain)[0])
             samples["match"].append(timed(router.index.match, chain)[0])
-            seconds, decision = timed(router.choose, f"req-{number}", chain, replica_ids)
+            seconds, decision = timed(router.choose, f"req-{number}", chain, replica_ids,
+                                      session_id=f"session-{rng.randrange(NUM_SESSIONS)}")
             samples["choose"].append(seconds)
             routed[decision.replica_id].append(FinishedRequest(f"req-{number}", 0))
             if number % DECISIONS_PER_BATCH == DECISIONS_PER_BATCH - 1:
