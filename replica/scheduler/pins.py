@@ -6,6 +6,8 @@ A pin never costs a running request: the scheduler releases pins (expired ones a
 step, then the ones with the least time left) before it preempts. A waiting request releases pins
 that have time left only when nothing runs.
 """
+import heapq
+import itertools
 import statistics
 from collections import OrderedDict, deque
 from dataclasses import dataclass
@@ -78,12 +80,17 @@ class Pins:
     def __init__(self) -> None:
         self._by_session: dict[str, Pin] = {}
         self._by_request_id: dict[str, str] = {}  # request id -> its session
+        # (expires_at, order, pin), soonest first. Entries of pins that already ended stay until they
+        # reach the top (within pin_ttl_max_s), so checking expiry every step costs nothing when none is due.
+        self._by_expiry: list[tuple[float, int, Pin]] = []
+        self._order = itertools.count()
 
     def add(self, request: Request, expires_at: float) -> Pin | None:
         """Pin the request's blocks; returns the program's previous pin, to release."""
         previous = self.pop(request.session_id)
-        self._by_session[request.session_id] = Pin(request, expires_at)
+        pin = self._by_session[request.session_id] = Pin(request, expires_at)
         self._by_request_id[request.request_id] = request.session_id
+        heapq.heappush(self._by_expiry, (expires_at, next(self._order), pin))
         return previous
 
     def pop(self, session_id: str | None) -> Pin | None:
@@ -99,13 +106,30 @@ class Pins:
         return self._by_request_id.get(request_id)
 
     def pop_expired(self, now: float) -> list[Pin]:
-        return [self.pop(session_id) for session_id, pin in list(self._by_session.items())
-                if pin.expires_at <= now]
+        """The pins whose time is up, oldest pinned first."""
+        expired = []
+        while self._by_expiry and self._by_expiry[0][0] <= now:
+            entry = heapq.heappop(self._by_expiry)
+            if self._is_current(entry[2]):
+                expired.append(entry)
+        return [self.pop(pin.request.session_id) for _, _, pin in sorted(expired, key=lambda entry: entry[1])]
 
     def pop_least_time_left(self, keep: str | None) -> Pin | None:
         """The pin closest to expiry, other than program keep's (its own turn needs it)."""
-        pins = [pin for session_id, pin in self._by_session.items() if session_id != keep]
-        return self.pop(min(pins, key=lambda pin: pin.expires_at).request.session_id) if pins else None
+        kept, found = [], None
+        while self._by_expiry and found is None:
+            entry = heapq.heappop(self._by_expiry)
+            pin = entry[2]
+            if pin.request.session_id == keep and self._is_current(pin):
+                kept.append(entry)
+            elif self._is_current(pin):
+                found = self.pop(pin.request.session_id)
+        for entry in kept:
+            heapq.heappush(self._by_expiry, entry)
+        return found
+
+    def _is_current(self, pin: Pin) -> bool:
+        return self._by_session.get(pin.request.session_id) is pin
 
     def pop_all(self) -> list[Pin]:
         return [self.pop(session_id) for session_id in list(self._by_session)]
