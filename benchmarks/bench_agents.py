@@ -20,9 +20,7 @@ history is freed and, under memory pressure, evicted before the next turn comes 
 import argparse
 import asyncio
 import math
-import os
 import random
-import socket
 import statistics
 import sys
 import time
@@ -220,38 +218,19 @@ async def pin_metrics(base_url: str) -> str:
 
 
 def live(args: argparse.Namespace) -> tuple[str, list[Summary]]:
-    from cluster.local_ray import init_local_ray
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    num_cpus = os.cpu_count() or 1
-    init_local_ray(num_cpus, log_to_driver=False)  # before anything imports ray
-    import ray
-    from ray import serve
-
-    from cluster.app import APP_NAME, build
-    from cluster.config import ClusterConfig
+    from benchmarks.live_app import local_app
 
     programs = make_live_programs(args)
-    base_url = f"http://127.0.0.1:{port}"
     summaries, notes = [], {}
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    with local_app() as deploy:
         for queue_policy in QUEUE_POLICIES:
             engine = {"num_kv_blocks": args.live_kv_blocks, "max_model_len": args.live_kv_blocks * 16 - 16,
                       "policy": queue_policy}
-            config = ClusterConfig(engine=engine, num_replicas=args.live_replicas,
-                                   replica_num_cpus=min(1.0, num_cpus / args.live_replicas))
-            serve.run(build(config), name=APP_NAME, route_prefix="/")
+            base_url = deploy(engine, args.live_replicas)
             started = time.monotonic()
             summaries.append(Summary(queue_policy, asyncio.run(run_live_workload(base_url, programs, args.max_tokens))))
             notes[queue_policy] = asyncio.run(pin_metrics(base_url))
             print(f"live {queue_policy}: {time.monotonic() - started:.0f} s", flush=True)
-            serve.delete(APP_NAME)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
     title = (f"Live: {args.live_replicas} CPU replicas of SmolLM2-135M x {args.live_kv_blocks} KV blocks of 16 tokens, "
              f"{args.live_programs} programs x {args.live_turns} turns, tool gaps 0.5-5 s, {args.max_tokens} tokens "
              f"per tool call, prefix router, seed {args.seed}")

@@ -20,20 +20,23 @@ round_robin, the baseline, measured in the same process, and the router's decisi
 """
 import argparse
 import asyncio
-import os
 import random
-import socket
 import statistics
+import sys
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.metrics import PREFIX as METRICS_PREFIX
-from cluster.protocol import REPLICA_HEADER
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+
+from benchmarks.live_app import local_app  # noqa: E402
+from cluster.metrics import PREFIX as METRICS_PREFIX  # noqa: E402
+from cluster.protocol import REPLICA_HEADER  # noqa: E402
 
 BASELINE = "round_robin"
 WORDS = ("river stone light garden window paper silver engine market winter harbor candle forest "
@@ -176,31 +179,13 @@ async def router_metrics(base_url: str) -> RouterMetrics:
 
 
 def deploy_and_run(args: argparse.Namespace, turns: list[Turn]) -> list[Result]:
-    from cluster.local_ray import init_local_ray
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    num_cpus = os.cpu_count() or 1
-    init_local_ray(num_cpus, log_to_driver=False)  # before anything imports ray
-    import ray
-    from ray import serve
-
-    from cluster.app import APP_NAME, build
-    from cluster.config import ClusterConfig
     results = []
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    with local_app() as deploy:
         for policy in args.policies:
             engine = {"num_kv_blocks": args.num_kv_blocks, "max_model_len": args.max_model_len}
-            config = ClusterConfig(engine=engine, num_replicas=args.replicas, routing=policy,
-                                   replica_num_cpus=min(1.0, num_cpus / args.replicas))
-            serve.run(build(config), name=APP_NAME, route_prefix="/")
-            results.append(asyncio.run(run_workload(f"http://127.0.0.1:{port}", policy, turns, args)))
+            base_url = deploy(engine, args.replicas, routing=policy)
+            results.append(asyncio.run(run_workload(base_url, policy, turns, args)))
             print(f"{policy}: {results[-1].wall_s:.1f} s", flush=True)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
     return results
 
 
