@@ -8,8 +8,8 @@ from ray import serve
 
 from cluster.config import ClusterConfig
 from cluster.publisher import RouterPublisher
-from replica.async_engine import AsyncEngine, EngineRequest, ModelInfo, ReplicaStats
-from replica.engine import EngineCore, EngineOutput
+from replica.async_engine import AsyncEngine, EngineOutput, EngineRequest, ModelInfo, ReplicaStats
+from replica.engine import EngineCore
 from router.actor import RouterClient
 
 
@@ -28,11 +28,11 @@ class EngineReplica:
                          vocab_size=core.model_config.vocab_size, block_size=core.config.cache.block_size,
                          hash_seed=core.config.cache.hash_seed)
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[str | EngineOutput]:
-        """This replica's id, then the request's outputs; a caller going away aborts the request."""
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        """An empty output naming this replica, then the request's; a caller going away aborts it."""
         num_cached_tokens = None
         try:
-            yield self.replica_id
+            yield EngineOutput(request.request_id, replica_id=self.replica_id)
             async for output in self._engine.generate(request):
                 num_cached_tokens = output.num_cached_tokens
                 yield output

@@ -9,10 +9,9 @@ from ray.serve.handle import DeploymentHandle
 
 from cluster.api import build_api
 from cluster.config import ClusterConfig
-from replica.async_engine import EngineRequest
 from cluster.metrics import ServingMetrics
 from cluster.serving import OpenAIServing
-from replica.engine import EngineOutput
+from replica.async_engine import EngineOutput, EngineRequest
 from replica.executor.checkpoint import load_checkpoint
 from router.actor import RouterClient
 
@@ -27,7 +26,7 @@ class ServeEngineClient:
     def __init__(self, handle: DeploymentHandle):
         self._handle = handle.options(stream=True)
 
-    async def generate(self, request: EngineRequest) -> AsyncGenerator[str | EngineOutput, None]:
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
         responses = self._handle.generate.remote(request)
         finished = False
         try:

@@ -10,21 +10,18 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import pydantic
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from replica.async_engine import EngineRequest, ModelInfo
 from cluster.metrics import RequestTracker, ServingMetrics
 from cluster.protocol import (REPLICA_HEADER, SSE_DONE, APIError, ChatCompletionRequest, ChatFormat,
                               CompletionFormat, CompletionRequest, ResponseFormat, sse, usage,
                               validation_error)
+from replica.async_engine import EngineOutput, EngineRequest, ModelInfo
 from replica.kv_cache import hash_token_blocks
 from replica.request import SamplingParams
-
-if TYPE_CHECKING:
-    from replica.engine import EngineOutput
 
 logger = logging.getLogger("ray.serve.prefixserve.serving")
 
@@ -32,8 +29,8 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat
 
 
 class EngineClient(Protocol):
-    def generate(self, request: EngineRequest) -> AsyncGenerator["str | EngineOutput", None]:
-        """First the id of the replica serving the request, then its outputs up to a finished one."""
+    def generate(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
+        """An empty output naming the replica serving the request, then its outputs up to a finished one."""
 
 
 class Tokenizer(Protocol):
@@ -51,7 +48,7 @@ class _Progress:
     num_cached_tokens: int = 0
     finish_reason: str | None = None
 
-    def add(self, output: "EngineOutput") -> None:
+    def add(self, output: EngineOutput) -> None:
         self.text.append(output.new_text)
         self.num_tokens += len(output.new_token_ids)
         self.num_prompt_tokens = output.num_prompt_tokens
@@ -103,7 +100,7 @@ class OpenAIServing:
                                            seed=self.model.hash_seed),
             params=params, cache_salt=body.cache_salt, session_id=body.session_id, last_turn=body.last_turn)
         outputs = self.engine.generate(request)
-        replica_id = await anext(outputs)
+        replica_id = (await anext(outputs)).replica_id
         tracker = self.metrics.track(replica_id, arrival_time)
         headers = {REPLICA_HEADER: replica_id}
         if body.stream:
@@ -134,7 +131,7 @@ class OpenAIServing:
         except pydantic.ValidationError as exc:
             raise validation_error(exc) from None
 
-    async def _collect(self, outputs: AsyncGenerator["EngineOutput", None], tracker: RequestTracker) -> _Progress:
+    async def _collect(self, outputs: AsyncGenerator[EngineOutput, None], tracker: RequestTracker) -> _Progress:
         progress = _Progress()
         try:
             async for output in outputs:
@@ -146,7 +143,7 @@ class OpenAIServing:
             await outputs.aclose()
         return progress
 
-    async def _stream(self, outputs: AsyncGenerator["EngineOutput", None], response_format: ResponseFormat,
+    async def _stream(self, outputs: AsyncGenerator[EngineOutput, None], response_format: ResponseFormat,
                       tracker: RequestTracker, include_usage: bool) -> AsyncIterator[str]:
         progress = _Progress()
         try:

@@ -8,16 +8,14 @@ steps, never during one.
 import asyncio
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from replica.kv_cache import BlockHash
 from replica.request import SamplingParams
-
-if TYPE_CHECKING:
-    from replica.engine import EngineCore, EngineOutput
+from replica.scheduler import Scheduler, SchedulerStats
 
 logger = logging.getLogger("ray.serve.prefixserve.engine")
 
@@ -45,6 +43,38 @@ class EngineRequest:
     last_turn: bool = False  # the program's last: under the continuum policy, nothing to pin its blocks for
 
 
+@dataclass
+class EngineOutput:
+    """What one step produced for one request; a replica's stream opens with an empty one naming it."""
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    logprobs: list[float] | None = None
+    replica_id: str | None = None  # only on the opening output: the replica that took the request
+
+
+class Core(Protocol):
+    """What AsyncEngine and ReplicaStats use of an engine core (replica.engine.EngineCore)."""
+    scheduler: Scheduler
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    **options: Any) -> None: ...
+
+    def step(self) -> list[EngineOutput]: ...
+
+    def abort(self, request_ids: Iterable[str]) -> None: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def expire_pins(self) -> None: ...
+
+    def stats(self) -> SchedulerStats: ...
+
+
 @dataclass(frozen=True)
 class ReplicaStats:
     """What an engine replica reports to the autoscaling policy; Serve aggregates each field by its name."""
@@ -54,7 +84,7 @@ class ReplicaStats:
     num_waiting_uncached_tokens: int
 
     @classmethod
-    def of(cls, core: "EngineCore") -> "ReplicaStats":
+    def of(cls, core: Core) -> "ReplicaStats":
         stats = core.stats()
         return cls(num_preemptions=stats.num_preemptions, kv_cache_usage=stats.kv_usage,
                    num_waiting=stats.num_waiting,
@@ -66,7 +96,7 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, core: "EngineCore", *, after_step: Callable[[], Awaitable[None]] | None = None,
+    def __init__(self, core: Core, *, after_step: Callable[[], Awaitable[None]] | None = None,
                  idle_interval_s: float = 1.0):
         """after_step runs on the event loop after every step, and every idle_interval_s when idle."""
         self.core = core
@@ -75,7 +105,7 @@ class AsyncEngine:
         self._streams: dict[str, asyncio.Queue] = {}
         self._to_add: deque[tuple[EngineRequest, asyncio.Queue]] = deque()
         self._to_abort: list[str] = []
-        self._calls: list[tuple[Callable[["EngineCore"], Any], asyncio.Future]] = []
+        self._calls: list[tuple[Callable[[Core], Any], asyncio.Future]] = []
         self._wakeup = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         self._error: BaseException | None = None
@@ -86,7 +116,7 @@ class AsyncEngine:
         """Why the loop stopped; None while it runs."""
         return self._error
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator["EngineOutput"]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         """The request's outputs until one is finished; closing the iterator early aborts it."""
         self._check_alive()
         queue: asyncio.Queue = asyncio.Queue()
@@ -106,7 +136,7 @@ class AsyncEngine:
                 self._to_abort.append(request.request_id)
                 self._wakeup.set()
 
-    async def call(self, fn: Callable[["EngineCore"], Any]) -> Any:
+    async def call(self, fn: Callable[[Core], Any]) -> Any:
         """fn(core), run on the loop between two steps."""
         self._check_alive()
         future = asyncio.get_running_loop().create_future()
@@ -168,7 +198,7 @@ class AsyncEngine:
             return
         self._streams[request.request_id] = queue
 
-    def _dispatch(self, outputs: list["EngineOutput"]) -> None:
+    def _dispatch(self, outputs: list[EngineOutput]) -> None:
         for output in outputs:
             queue = self._streams.get(output.request_id)
             if queue is None:
@@ -202,7 +232,7 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine loop stopped: {self._error!r}")
 
 
-def _settle(future: asyncio.Future, fn: Callable[["EngineCore"], Any], core: "EngineCore") -> None:
+def _settle(future: asyncio.Future, fn: Callable[[Core], Any], core: Core) -> None:
     if future.cancelled():
         return
     try:

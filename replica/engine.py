@@ -14,6 +14,7 @@ from replica.executor.detokenizer import IncrementalDetokenizer
 from replica.executor.model import LlamaForCausalLM
 from replica.executor.model_runner import ModelRunner
 from replica.executor.paged_cache import allocate_kv_caches, block_bytes, num_blocks_for_budget
+from replica.async_engine import EngineOutput
 from replica.kv_cache import BlockHash, KVCacheManager, KVEvent
 from replica.request import Request, RequestStatus, SamplingParams
 from replica.config import CacheConfig, EngineConfig  # noqa: F401 (re-exported: replica.engine names them)
@@ -23,18 +24,6 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
-
-
-@dataclass
-class EngineOutput:
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    logprobs: list[float] | None
 
 
 @dataclass

@@ -1,6 +1,5 @@
 """Stand-ins for the engine, its client and the tokenizer, so the Serve glue is tested without a model."""
-from replica.async_engine import EngineRequest
-from replica.engine import EngineOutput
+from replica.async_engine import EngineOutput, EngineRequest
 from replica.kv_cache import BlockStored, hash_token_blocks
 from replica.scheduler import SchedulerStats
 
@@ -94,7 +93,7 @@ class FakeEngineCore:
 
 
 class FakeEngineClient:
-    """The ingress's view of the engine deployment: replica id first, then a FakeEngineCore's outputs."""
+    """The ingress's view of the engine deployment: an output naming the replica, then a FakeEngineCore's."""
 
     def __init__(self, replica_id: str = "replica-a", *, error: Exception | None = None):
         self.replica_id = replica_id
@@ -106,7 +105,7 @@ class FakeEngineClient:
         self.requests.append(request)
         core = FakeEngineCore()
         core.add_request(request.request_id, request.prompt_token_ids, request.params)
-        yield self.replica_id
+        yield EngineOutput(request.request_id, replica_id=self.replica_id)
         try:
             while core.has_unfinished():
                 if self.error is not None:
