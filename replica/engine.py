@@ -8,12 +8,13 @@ import torch
 
 from kernels import Backend, get_ops
 from kernels.cpu import library as cpu_kernels
-from replica.executor.checkpoint import Checkpoint, build_model, load_checkpoint
+from replica.executor.checkpoint import Checkpoint, load_checkpoint
 from replica.executor.cpu_allocator import keep_freed_memory
 from replica.executor.detokenizer import IncrementalDetokenizer
 from replica.executor.model import LlamaForCausalLM
 from replica.executor.model_runner import ModelRunner
 from replica.executor.paged_cache import allocate_kv_caches, block_bytes, num_blocks_for_budget
+from replica.executor.weights import build_model
 from replica.async_engine import EngineOutput
 from replica.kv_cache import BlockHash, KVCacheManager, KVEvent
 from replica.request import Request, RequestStatus, SamplingParams

@@ -50,6 +50,7 @@ def test_layer_of_names_the_longest_prefix():
     (["replica", "replica.request", "replica.kv_cache", "replica.scheduler", "replica.config", "replica.async_engine"],
      ["ray", "fastapi", "torch"]),
     (["replica.engine"], ["ray", "fastapi"]),
+    (["replica.executor.checkpoint", "cluster.ingress"], ["torch"]),  # the ingress only tokenizes
     (["router", "router.index", "router.policy", "router.messages", "router.sessions", "router.core"],
      ["ray", "fastapi", "torch"]),
 ])

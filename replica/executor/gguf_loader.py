@@ -1,4 +1,4 @@
-"""Reading a llama.cpp GGUF file: metadata, and tensors dequantized under Hugging Face names.
+"""Reading a llama.cpp GGUF file: metadata, and tensors dequantized to numpy under Hugging Face names.
 
 GGUFReader parses the vocabulary in pure Python (about 5 s), so one reader per file is kept for the
 life of the process; everything else is derived from it on demand.
@@ -9,7 +9,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-import torch
 
 from replica.executor.config import ModelConfig
 
@@ -51,16 +50,15 @@ def read_config(path: str, metadata: dict[str, Any]) -> ModelConfig:
     return ModelConfig.from_gguf_metadata(metadata, {t.name for t in open_gguf(path).tensors})
 
 
-def iter_weights(path: str, config: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor in dtype) for every tensor, with llama.cpp's Q/K row permutation undone."""
+def iter_arrays(path: str, config: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, array) for every tensor, with llama.cpp's Q/K row permutation undone."""
     from gguf.quants import dequantize
     for tensor in open_gguf(path).tensors:
         array = dequantize(tensor.data, tensor.tensor_type)
         hf_name, permuted_heads = _hf_name(tensor.name, config)
         if permuted_heads:
             array = _unpermute_rows(array, permuted_heads)
-        # the reader's arrays are read-only memmaps or fresh float32 arrays; copy only when needed
-        yield hf_name, torch.from_numpy(np.array(array, copy=not array.flags.writeable)).to(dtype)
+        yield hf_name, array
 
 
 def _hf_name(gguf_name: str, config: ModelConfig) -> tuple[str, int]:

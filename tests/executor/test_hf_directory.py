@@ -7,7 +7,8 @@ import torch
 
 from kernels import get_ops
 from replica.engine import LLM
-from replica.executor.checkpoint import build_model, load_checkpoint
+from replica.executor.checkpoint import load_checkpoint
+from replica.executor.weights import build_model
 from replica.request import SamplingParams
 from tests.executor.helpers import byte_tokenizer_backend, last_position_logits
 

@@ -8,7 +8,8 @@ import torch
 
 from kernels import get_ops
 from replica.engine import LLM
-from replica.executor.checkpoint import build_model, default_model_path, load_checkpoint
+from replica.executor.checkpoint import default_model_path, load_checkpoint
+from replica.executor.weights import build_model
 from replica.request import SamplingParams
 from tests.executor.helpers import last_position_logits
 
