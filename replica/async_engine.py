@@ -192,7 +192,8 @@ class AsyncEngine:
         try:
             self.core.add_request(request.request_id, request.prompt_token_ids, request.params,
                                   priority=request.priority, cache_salt=request.cache_salt,
-                                  session_id=request.session_id, last_turn=request.last_turn)
+                                  session_id=request.session_id, last_turn=request.last_turn,
+                                  block_hashes=request.block_hashes)
         except ValueError as exc:
             queue.put_nowait(exc)
             return

@@ -1,6 +1,7 @@
 """A request as the scheduler sees it: inputs, sampling parameters, progress counters, status."""
 import enum
 import time
+from collections.abc import Sequence
 
 import pydantic
 
@@ -87,6 +88,7 @@ class Request:
         eos_token_id: int | None = None,
         session_id: str | None = None,
         last_turn: bool = False,
+        block_hashes: Sequence[bytes] = (),
     ):
         _check_inputs(request_id, prompt_token_ids, sampling_params)
         self.request_id = request_id
@@ -107,7 +109,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # set on first schedule
         self.num_preemptions = 0
-        self.block_hashes: list[bytes] = []  # chained hashes of its full blocks
+        self.block_hashes: list[bytes] = list(block_hashes)  # chained hashes of its full blocks (kept current)
         self.stop_reason: int | str | None = None
 
     @property

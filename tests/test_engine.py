@@ -137,6 +137,12 @@ def test_bad_prompts_raise_and_queue_nothing(llm, prompt, error):
     assert not llm.engine.has_unfinished()
 
 
+def test_more_block_hashes_than_full_prompt_blocks_raise(llm):
+    with pytest.raises(ValueError, match="2 block hashes for 20 prompt tokens"):
+        llm.engine.add_request("bad", [5] * 20, GREEDY, block_hashes=[bytes(16)] * 2)
+    assert not llm.engine.has_unfinished()
+
+
 def test_duplicate_id_raises_and_abort_frees_blocks(llm):
     engine = llm.engine
     engine.add_request("dup", [1, 2, 3], GREEDY)

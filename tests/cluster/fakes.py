@@ -29,7 +29,8 @@ class FakeEngineCore:
     """Generates token 100 + i as text "t<i> " until max_tokens; reports a cached-prefix of one block."""
 
     def __init__(self, *, fail_step: bool = False):
-        self.requests: dict[str, EngineRequest] = {}
+        self.requests: dict[str, EngineRequest] = {}  # unfinished
+        self.added: list[EngineRequest] = []
         self.generated: dict[str, int] = {}
         self.aborted: list[str] = []
         self.num_steps = 0
@@ -39,13 +40,14 @@ class FakeEngineCore:
         self._events: list = []
 
     def add_request(self, request_id, prompt_token_ids, params, *, priority=0, cache_salt=None,
-                    arrival_time=None, session_id=None, last_turn=False) -> None:
+                    arrival_time=None, session_id=None, last_turn=False, block_hashes=()) -> None:
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
-        self.requests[request_id] = EngineRequest(request_id, prompt_token_ids, [], params, cache_salt,
-                                                  session_id=session_id, last_turn=last_turn)
+        self.requests[request_id] = EngineRequest(request_id, prompt_token_ids, list(block_hashes), params, cache_salt,
+                                                  priority, session_id, last_turn)
+        self.added.append(self.requests[request_id])
         self.generated[request_id] = 0
         hashes = hash_token_blocks(prompt_token_ids, BLOCK_SIZE, seed=HASH_SEED)
         new = [block_hash for block_hash in hashes if block_hash not in self.cached]

@@ -41,6 +41,17 @@ def test_streams_each_request_until_finished():
     assert outputs_b[-1].finish_reason == "length"
 
 
+def test_the_core_gets_the_request_as_the_ingress_built_it():
+    request = EngineRequest("a", [1, 2, 3, 4], [b"h" * 16], SamplingParams(max_tokens=1), cache_salt="salt",
+                            priority=2, session_id="program", last_turn=True)
+
+    async def test(engine, core):
+        await collect(engine, request)
+        return core.added
+
+    assert run(test) == [request]
+
+
 def test_a_rejected_request_raises_to_its_caller_only():
     async def test(engine, core):
         bad = collect(engine, engine_request("bad", prompt=[]))

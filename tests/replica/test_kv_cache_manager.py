@@ -1,7 +1,7 @@
 import pytest
 
 from replica.kv_cache import BlockRemoved, BlockStored, KVCacheManager, hash_token_blocks
-from replica.request import RequestStatus
+from replica.request import Request, RequestStatus, SamplingParams
 
 
 def free_ids(manager: KVCacheManager) -> list[int]:
@@ -170,3 +170,16 @@ def test_eviction_event_and_reset(make_request):
     manager.free(b)
     assert manager.reset_prefix_cache() is True
     assert manager.cached_block_hashes() == []
+
+
+def test_block_hashes_given_with_the_request_are_used_not_recomputed():
+    manager = KVCacheManager(20, 4)
+    prompt = list(range(9))
+    ingress_hashes = hash_token_blocks(prompt, 4, seed=7)  # hashed elsewhere, with another seed
+    assert admit(manager, Request("first", prompt, SamplingParams(), block_hashes=ingress_hashes))[0] == 0
+    assert admit(manager, Request("same-chain", prompt, SamplingParams(), block_hashes=ingress_hashes))[0] == 8
+    assert admit(manager, Request("own-hashes", prompt, SamplingParams()))[0] == 0
+    prefix_given = Request("prefix-given", prompt, SamplingParams(), block_hashes=ingress_hashes[:1])
+    assert admit(manager, prefix_given)[0] == 4
+    extended = hash_token_blocks(prompt, 4, parent_hashes=ingress_hashes[:1])  # hashed by the manager
+    assert prefix_given.block_hashes == ingress_hashes[:1] + extended
