@@ -69,6 +69,7 @@ class _Booking:
     booked_from: int | None  # its blocks from here on count as cached on the replica; None: not booked
     session_id: str | None = None
     session_turn: int = 0  # the how-manieth turn of its session it is
+    session_tokens: float = 0.0  # what its session is expected to bring per turn, counted while it runs
     covered: bool = False  # the replica's reports count it
 
 
@@ -84,7 +85,7 @@ class _Replica:
     uncovered_blocks: int = 0
     booked_tokens: int = 0  # uncached prompt tokens of every booking: the most prefill they can still need
     booked_context_tokens: int = 0  # prompt tokens of every booking: the context its decodes attend to
-    session_tokens: int = 0  # uncached prompt tokens of the bookings that are later turns of their sessions
+    session_tokens: float = 0.0  # what the sessions of its bookings are expected to bring per turn
 
     def add(self, booking: _Booking) -> None:
         self.bookings[booking.request_id] = booking
@@ -110,8 +111,7 @@ class _Replica:
     def _count_booked(self, booking: _Booking, sign: int) -> None:
         self.booked_tokens += sign * booking.num_uncached_tokens
         self.booked_context_tokens += sign * booking.num_prompt_tokens
-        if booking.session_turn >= 2:
-            self.session_tokens += sign * booking.num_uncached_tokens
+        self.session_tokens += sign * booking.session_tokens
 
     def _count_uncovered(self, booking: _Booking, sign: int) -> None:
         self.uncovered_tokens += sign * booking.num_uncached_tokens
@@ -119,7 +119,7 @@ class _Replica:
 
     def candidate(self, replica_id: str, matched_blocks: int, num_cached_blocks: int, parked_session_tokens: float,
                   now: float) -> Candidate:
-        # The sessions it hosts: later turns in flight, and what the parked ones are expected to bring.
+        # The sessions it hosts: those with a turn in flight, and the parked ones.
         session_tokens = parked_session_tokens + self.session_tokens
         if self.snapshot is None:
             return Candidate(replica_id, matched_blocks, len(self.bookings), self.uncovered_tokens,
@@ -273,7 +273,7 @@ class Router:
         uncached = request.num_uncached_tokens(decision.matched_blocks)
         booking = _Booking(request_id, decision.replica_id, block_hashes, request.num_prompt_tokens, uncached,
                            -(-uncached // self.block_size), now, replica.num_reports, booked_from, session_id,
-                           session_turn)
+                           session_turn, self._sessions.expected_tokens(session_turn, uncached))
         if booked_from is not None:
             self.index.book(decision.replica_id, block_hashes, booked_from)
         replica.add(booking)

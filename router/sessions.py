@@ -65,6 +65,12 @@ class ParkedSessions:
         self._expected_tokens[replica_id] += expected
         self._num_counted[replica_id] += 1
 
+    def expected_tokens(self, session_turn: int, num_uncached_tokens: int) -> float:
+        """What a session is expected to bring per turn while its turn session_turn (0: no session) runs."""
+        if session_turn == 0:
+            return 0.0
+        return num_uncached_tokens * (self._return_rates[False].value if session_turn == 1 else 1.0)
+
     def returning_tokens(self, replica_id: str) -> float:
         """Uncached prompt tokens the sessions parked on the replica are expected to bring."""
         return self._expected_tokens[replica_id]

@@ -257,6 +257,14 @@ def test_a_new_session_avoids_the_replica_its_parked_sessions_will_come_back_to(
         RoutingDecision("a", 7, "prefix_hit")
 
 
+def test_a_session_counts_on_its_replica_while_its_first_turn_runs():
+    router = session_that_came_back(FakeClock())  # 1 of 2 sessions came back after their first turn
+    assert router.choose("s2/1", chain(*SYSTEM_PROMPT, 60), ["a", "b"], session_id="s2").replica_id == "b"
+    # s2's first turn runs on b: 16 queued + 2 x 4 + 4 x 16 x 0.5 on b, against 2 x 4 + 4 x 8 on a
+    assert router.choose("s3/1", chain(*SYSTEM_PROMPT, 61), ["a", "b"], session_id="s3") == \
+        RoutingDecision("a", 3, "prefix_hit")
+
+
 def test_a_parked_session_stops_counting_after_its_ttl():
     clock = FakeClock()
     router = session_that_came_back(clock)
