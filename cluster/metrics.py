@@ -69,9 +69,6 @@ class ServingMetrics:
         self._router = RouterCollector()
         self.registry.register(self._router)
 
-    def track(self, replica_id: str, arrival_time: float) -> RequestTracker:
-        return RequestTracker(self, replica_id, arrival_time)
-
     def render(self, snapshot: RouterSnapshot | None) -> bytes:
         """Prometheus text; without a snapshot (router unreachable) only the ingress's own series."""
         self._router.snapshot = snapshot
