@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from cluster.protocol import SESSION_HEADER, APIError, ChatCompletionRequest, CompletionRequest, validation_error
+from cluster.protocol import SESSION_HEADER, APIError, ChatCompletionRequest, CompletionRequest, describe
 from cluster.serving import OpenAIServing, internal_error
 
 logger = logging.getLogger("ray.serve.prefixserve.api")
@@ -63,7 +63,7 @@ async def _parse(request: Request, model: type[Body]) -> Body:
     try:
         body = model.model_validate_json(await request.body())
     except pydantic.ValidationError as exc:
-        raise validation_error(exc) from None
+        raise APIError(describe(exc)) from None
     if body.session_id is None:
         body.session_id = request.headers.get(SESSION_HEADER)
     return body

@@ -10,9 +10,6 @@ import pydantic
 
 from cluster.protocol import describe
 
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 8000
-
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="prefixserve", description="A prefix-aware LLM serving cluster on Ray Serve.")
@@ -26,8 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     cluster = serve.add_argument_group("cluster")
     cluster.add_argument("--address", help="Ray cluster to join ('auto': the one running on this machine); "
                                            "default: start a local cluster")
-    cluster.add_argument("--host", default=DEFAULT_HOST, help="HTTP host to listen on (default: %(default)s)")
-    cluster.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP port (default: %(default)s)")
+    cluster.add_argument("--host", default="127.0.0.1", help="HTTP host to listen on (default: %(default)s)")
+    cluster.add_argument("--port", type=int, default=8000, help="HTTP port (default: %(default)s)")
     cluster.add_argument("--replicas", type=int, default=2, help="engine replicas (default: %(default)s)")
     cluster.add_argument("--autoscale", type=int, nargs=2, metavar=("MIN", "MAX"),
                          help="scale the engine replicas between MIN and MAX on preemptions (starts at --replicas)")

@@ -6,6 +6,7 @@ gauges and cache counters, and the router's own series, come from the router act
 receives every replica's stats after each engine step; they are read at scrape time.
 Names mirror vLLM's (vllm:* -> prefixserve:*) with the same meaning.
 """
+import operator
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -69,13 +70,45 @@ class ServingMetrics:
         self._router = RouterCollector()
         self.registry.register(self._router)
 
-    def track(self, replica_id: str, arrival_time: float) -> RequestTracker:
-        return RequestTracker(self, replica_id, arrival_time)
-
     def render(self, snapshot: RouterSnapshot | None) -> bytes:
         """Prometheus text; without a snapshot (router unreachable) only the ingress's own series."""
         self._router.snapshot = snapshot
         return generate_latest(self.registry)
+
+
+# Per-replica series from the router's snapshot: (family, name, the ReplicaSnapshot attribute it reads, help).
+REPLICA_SERIES = [
+    (GaugeMetricFamily, "num_requests_running", "stats.num_running", "Requests in the engine's running queue."),
+    (GaugeMetricFamily, "num_requests_waiting", "stats.num_waiting", "Requests in the engine's waiting queue."),
+    (GaugeMetricFamily, "kv_cache_usage_perc", "stats.kv_usage", "KV cache usage (1 = 100%)."),
+    (CounterMetricFamily, "num_preemptions", "stats.num_preemptions", "Requests preempted by the engine."),
+    (CounterMetricFamily, "prefix_cache_queries", "stats.prefix_cache_queries",
+     "Prompt tokens looked up in the prefix cache."),
+    (CounterMetricFamily, "prefix_cache_hits", "stats.prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    (GaugeMetricFamily, "pinned_blocks", "stats.pins.num_pinned_blocks",
+     "KV blocks held by continuum pins between a program's turns."),
+    (CounterMetricFamily, "pins", "stats.pins.pinned",
+     "Finished turns whose KV blocks were pinned for the program's next turn."),
+    (CounterMetricFamily, "pin_hits", "stats.pins.hits",
+     "Next turns admitted while their program's pin held their history."),
+    (CounterMetricFamily, "pins_expired", "stats.pins.expired",
+     "Pins that ran out of time before the program's next turn."),
+    (CounterMetricFamily, "pins_released", "stats.pins.released",
+     "Pins released early to give a running request or an admission blocks."),
+    (CounterMetricFamily, "next_turn_prefix_cache_queries", "stats.pins.next_turn_queries",
+     "Prompt tokens of next turns (their program's previous turn finished here) looked up, continuum."),
+    (CounterMetricFamily, "next_turn_prefix_cache_hits", "stats.pins.next_turn_hits",
+     "Of those, tokens found in the prefix cache."),
+    (GaugeMetricFamily, "router_index_blocks", "index_blocks", "Blocks the router believes the replica caches."),
+    (GaugeMetricFamily, "router_requests_in_flight", "num_in_flight",
+     "Requests routed to the replica and not finished."),
+    (GaugeMetricFamily, "router_parked_sessions", "num_parked_sessions",
+     "Sessions between turns whose last turn the replica served (parked within session_ttl_s)."),
+    (CounterMetricFamily, "router_predicted_cached_tokens", "predicted_cached_tokens",
+     "Prompt tokens the router expected cached on the replica it chose."),
+    (CounterMetricFamily, "router_actual_cached_tokens", "actual_cached_tokens",
+     "Prompt tokens the replica actually found cached, for the same requests."),
+]
 
 
 class RouterCollector(Collector):
@@ -87,52 +120,10 @@ class RouterCollector(Collector):
     def collect(self):
         if self.snapshot is None:
             return
-        replicas = self.snapshot.replicas
-        per_replica = [
-            (GaugeMetricFamily, "num_requests_running", "Requests in the engine's running queue.",
-             lambda r: r.stats.num_running),
-            (GaugeMetricFamily, "num_requests_waiting", "Requests in the engine's waiting queue.",
-             lambda r: r.stats.num_waiting),
-            (GaugeMetricFamily, "kv_cache_usage_perc", "KV cache usage (1 = 100%).", lambda r: r.stats.kv_usage),
-            (CounterMetricFamily, "num_preemptions", "Requests preempted by the engine.",
-             lambda r: r.stats.num_preemptions),
-            (CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-             lambda r: r.stats.prefix_cache_queries),
-            (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-             lambda r: r.stats.prefix_cache_hits),
-            (GaugeMetricFamily, "pinned_blocks", "KV blocks held by continuum pins between a program's turns.",
-             lambda r: r.stats.pins.num_pinned_blocks),
-            (CounterMetricFamily, "pins", "Finished turns whose KV blocks were pinned for the program's next turn.",
-             lambda r: r.stats.pins.pinned),
-            (CounterMetricFamily, "pin_hits", "Next turns admitted while their program's pin held their history.",
-             lambda r: r.stats.pins.hits),
-            (CounterMetricFamily, "pins_expired", "Pins that ran out of time before the program's next turn.",
-             lambda r: r.stats.pins.expired),
-            (CounterMetricFamily, "pins_released", "Pins released early to give a running request or an admission blocks.",
-             lambda r: r.stats.pins.released),
-            (CounterMetricFamily, "next_turn_prefix_cache_queries",
-             "Prompt tokens of next turns (their program's previous turn finished here) looked up, continuum.",
-             lambda r: r.stats.pins.next_turn_queries),
-            (CounterMetricFamily, "next_turn_prefix_cache_hits", "Of those, tokens found in the prefix cache.",
-             lambda r: r.stats.pins.next_turn_hits),
-            (GaugeMetricFamily, "router_index_blocks", "Blocks the router believes the replica caches.",
-             lambda r: r.index_blocks),
-            (GaugeMetricFamily, "router_requests_in_flight", "Requests routed to the replica and not finished.",
-             lambda r: r.num_in_flight),
-            (GaugeMetricFamily, "router_parked_sessions",
-             "Sessions between turns whose last turn the replica served (parked within session_ttl_s).",
-             lambda r: r.num_parked_sessions),
-            (CounterMetricFamily, "router_predicted_cached_tokens",
-             "Prompt tokens the router expected cached on the replica it chose.",
-             lambda r: r.predicted_cached_tokens),
-            (CounterMetricFamily, "router_actual_cached_tokens",
-             "Prompt tokens the replica actually found cached, for the same requests.",
-             lambda r: r.actual_cached_tokens),
-        ]
-        for family, name, doc, value in per_replica:
+        for family, name, attribute, doc in REPLICA_SERIES:
             metric = family(PREFIX + name, doc, labels=["replica"])
-            for replica_id, replica in sorted(replicas.items()):
-                metric.add_metric([replica_id], value(replica))
+            for replica_id, replica in sorted(self.snapshot.replicas.items()):
+                metric.add_metric([replica_id], operator.attrgetter(attribute)(replica))
             yield metric
         decisions = CounterMetricFamily(PREFIX + "router_decisions", "Routing decisions by policy and outcome.",
                                         labels=["policy", "outcome"])

@@ -38,10 +38,6 @@ def describe(error: pydantic.ValidationError) -> str:
     return "; ".join(problems)
 
 
-def validation_error(error: pydantic.ValidationError) -> APIError:
-    return APIError(describe(error))
-
-
 class StreamOptions(pydantic.BaseModel):
     include_usage: bool = False
 

@@ -17,8 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from cluster.metrics import RequestTracker, ServingMetrics
 from cluster.protocol import (REPLICA_HEADER, SSE_DONE, APIError, ChatCompletionRequest, ChatFormat,
-                              CompletionFormat, CompletionRequest, ResponseFormat, sse, usage,
-                              validation_error)
+                              CompletionFormat, CompletionRequest, ResponseFormat, describe, sse, usage)
 from replica.async_engine import EngineOutput, EngineRequest, ModelInfo
 from replica.kv_cache import hash_token_blocks
 from replica.request import SamplingParams
@@ -41,7 +40,8 @@ class Tokenizer(Protocol):
 
 @dataclass
 class _Progress:
-    """What a request produced so far."""
+    """What a request produced so far; its tracker times each output as it is added."""
+    tracker: RequestTracker
     text: list[str] = field(default_factory=list)
     num_tokens: int = 0
     num_prompt_tokens: int = 0
@@ -54,6 +54,7 @@ class _Progress:
         self.num_prompt_tokens = output.num_prompt_tokens
         self.num_cached_tokens = output.num_cached_tokens
         self.finish_reason = output.finish_reason
+        self.tracker.observe(len(output.new_token_ids), output.num_prompt_tokens, output.finished)
 
     def usage(self) -> dict[str, Any]:
         return usage(self.num_prompt_tokens, self.num_tokens, self.num_cached_tokens)
@@ -101,12 +102,12 @@ class OpenAIServing:
             params=params, cache_salt=body.cache_salt, session_id=body.session_id, last_turn=body.last_turn)
         outputs = self.engine.generate(request)
         replica_id = (await anext(outputs)).replica_id
-        tracker = self.metrics.track(replica_id, arrival_time)
+        progress = _Progress(RequestTracker(self.metrics, replica_id, arrival_time))
         headers = {REPLICA_HEADER: replica_id}
         if body.stream:
-            return StreamingResponse(self._stream(outputs, response_format, tracker, body.include_usage),
+            return StreamingResponse(self._stream(outputs, response_format, progress, body.include_usage),
                                      media_type="text/event-stream", headers=headers)
-        progress = await self._collect(outputs, tracker)
+        await self._collect(outputs, progress)
         return JSONResponse(response_format.response("".join(progress.text), progress.finish_reason,
                                                      progress.usage()), headers=headers)
 
@@ -129,29 +130,24 @@ class OpenAIServing:
         try:
             return body.sampling_params(max_tokens)
         except pydantic.ValidationError as exc:
-            raise validation_error(exc) from None
+            raise APIError(describe(exc)) from None
 
-    async def _collect(self, outputs: AsyncGenerator[EngineOutput, None], tracker: RequestTracker) -> _Progress:
-        progress = _Progress()
+    async def _collect(self, outputs: AsyncGenerator[EngineOutput, None], progress: _Progress) -> None:
         try:
             async for output in outputs:
                 progress.add(output)
-                tracker.observe(len(output.new_token_ids), output.num_prompt_tokens, output.finished)
         except ValueError as exc:  # the engine refused the request
             raise APIError(str(exc)) from None
         finally:
             await outputs.aclose()
-        return progress
 
     async def _stream(self, outputs: AsyncGenerator[EngineOutput, None], response_format: ResponseFormat,
-                      tracker: RequestTracker, include_usage: bool) -> AsyncIterator[str]:
-        progress = _Progress()
+                      progress: _Progress, include_usage: bool) -> AsyncIterator[str]:
         try:
             for chunk in response_format.opening_chunks():
                 yield chunk
             async for output in outputs:
                 progress.add(output)
-                tracker.observe(len(output.new_token_ids), output.num_prompt_tokens, output.finished)
                 if output.new_text or output.finished:
                     yield response_format.chunk(output.new_text, output.finish_reason)
             if include_usage:

@@ -1,8 +1,4 @@
-"""SwiGLU's activation over the fused [gate | up] projection: silu(gate) * up.
-
-The Triton version, silu_and_mul, lives in kernels/triton/activation.py and is imported on first
-access.
-"""
+"""SwiGLU's activation over the fused [gate | up] projection: silu(gate) * up."""
 import torch
 import torch.nn.functional as F
 

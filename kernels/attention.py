@@ -4,9 +4,6 @@ Request r owns query rows query_start_loc[r]:query_start_loc[r+1]; its context i
 tokens (cached prefix + its new tokens, whose K/V are already in the cache). Query row i of r sits
 at position seq_lens[r] - q_len + i and attends causally to positions <= its own. Query head h
 reads KV head h // (Hq // Hkv). Block-table entries past a request's last block are not read.
-
-The Triton version, paged_attention, lives in kernels/triton/attention.py and is imported on first
-access, so this module works without triton installed.
 """
 import torch
 import torch.nn.functional as F

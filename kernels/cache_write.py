@@ -1,8 +1,6 @@
 """Writing new tokens' K/V into the paged cache through a slot mapping.
 
 slot = block_id * block_size + offset; a negative slot (a padding token) is skipped.
-The Triton version, write_kv_cache, lives in kernels/triton/cache_write.py and is imported on
-first access, so this module works without triton installed.
 """
 import torch
 

@@ -25,17 +25,10 @@ def get_ops(backend: Backend) -> KernelOps:
     if backend == "torch":
         return KernelOps(write_kv_cache_ref, paged_attention_ref, rms_norm_ref, apply_rotary_ref, silu_and_mul_ref)
     if backend == "triton":
-        from kernels.triton.activation import silu_and_mul
-        from kernels.triton.attention import paged_attention
-        from kernels.triton.cache_write import write_kv_cache
-        from kernels.triton.rms_norm import rms_norm
-        from kernels.triton.rotary import apply_rotary
-        return KernelOps(write_kv_cache, paged_attention, rms_norm, apply_rotary, silu_and_mul)
-    if backend == "cpu":
-        from kernels.cpu.activation import silu_and_mul
-        from kernels.cpu.attention import paged_attention
-        from kernels.cpu.cache_write import write_kv_cache
-        from kernels.cpu.rms_norm import rms_norm
-        from kernels.cpu.rotary import apply_rotary
-        return KernelOps(write_kv_cache, paged_attention, rms_norm, apply_rotary, silu_and_mul)
-    raise ValueError(f"unknown kernel backend {backend!r}; expected 'triton', 'cpu' or 'torch'")
+        from kernels.triton import activation, attention, cache_write, rms_norm, rotary
+    elif backend == "cpu":
+        from kernels.cpu import activation, attention, cache_write, rms_norm, rotary
+    else:
+        raise ValueError(f"unknown kernel backend {backend!r}; expected 'triton', 'cpu' or 'torch'")
+    return KernelOps(cache_write.write_kv_cache, attention.paged_attention, rms_norm.rms_norm, rotary.apply_rotary,
+                     activation.silu_and_mul)

@@ -1,7 +1,4 @@
-"""RMSNorm with an optional fused residual add (Llama's pre-norm blocks).
-
-The Triton version, rms_norm, lives in kernels/triton/rms_norm.py and is imported on first access.
-"""
+"""RMSNorm with an optional fused residual add (Llama's pre-norm blocks)."""
 import torch
 
 

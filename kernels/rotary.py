@@ -1,8 +1,7 @@
 """Rotary position embedding, rotate-half layout (GPT-NeoX / HF Llama).
 
 The cos/sin cache is [max_position, head_dim]: cos in the first half of each row, sin in the
-second, as vLLM lays it out. The Triton version, apply_rotary, lives in kernels/triton/rotary.py
-and is imported on first access.
+second, as vLLM lays it out.
 """
 import torch
 

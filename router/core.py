@@ -165,10 +165,10 @@ class Router:
         """
         if not candidates:
             raise ValueError("no candidate replicas to route to")
-        full_block_tokens = len(block_hashes) * self.block_size
+        min_prompt_tokens = max(len(block_hashes) * self.block_size, 1)
         if num_prompt_tokens is None:
-            num_prompt_tokens = max(full_block_tokens, 1)
-        if num_prompt_tokens < max(full_block_tokens, 1):
+            num_prompt_tokens = min_prompt_tokens
+        if num_prompt_tokens < min_prompt_tokens:
             raise ValueError(f"num_prompt_tokens={num_prompt_tokens} is fewer than the chain's "
                              f"{len(block_hashes)} full blocks of {self.block_size} tokens")
         now = self._clock()
@@ -180,7 +180,7 @@ class Router:
         matched = self.index.match(block_hashes)
         decision = self._policy.choose(request, [
             self._candidate(replica_id, matched.get(replica_id, 0), now) for replica_id in candidates])
-        self._book(request_id, decision, request, block_hashes, now, session_id, session_turn)
+        self._book(request_id, decision, request, block_hashes, now, session_id)
         self._decisions[decision.outcome] += 1
         return decision
 
@@ -194,8 +194,7 @@ class Router:
                                booking.session_turn)
         matched_blocks = self.index.match(booking.block_hashes).get(replica_id, 0)
         decision = RoutingDecision(replica_id, matched_blocks, "fallback")
-        self._book(request_id, decision, request, booking.block_hashes, booking.routed_at, booking.session_id,
-                   booking.session_turn)
+        self._book(request_id, decision, request, booking.block_hashes, booking.routed_at, booking.session_id)
 
     def release(self, request_id: str) -> None:
         """The request ended without reaching its replica: roll its booking back. Unknown ids are ignored."""
@@ -213,12 +212,11 @@ class Router:
         """Apply a replica's next event batch; False (no events applied) means: resync it."""
         if replica_id in self._removed:
             return True  # a replica on its way out; it stays forgotten
-        replica = self._replicas.get(replica_id)
-        self._report(replica_id, stats, finished)
-        if seq != (replica.last_seq if replica else 0) + 1:
+        replica = self._report(replica_id, stats, finished)
+        if seq != replica.last_seq + 1:
             return False
         self.index.apply(replica_id, events)
-        self._replicas[replica_id].last_seq = seq
+        replica.last_seq = seq
         return True
 
     def resync(self, replica_id: str, seq: int, block_hashes: list[BlockHash], stats: SchedulerStats,
@@ -226,9 +224,9 @@ class Router:
         """Replace a replica's cached blocks with a full list; its next batch is expected as seq + 1."""
         if replica_id in self._removed:
             return
-        self._report(replica_id, stats, finished)
+        replica = self._report(replica_id, stats, finished)
         self.index.resync(replica_id, block_hashes)
-        self._replicas[replica_id].last_seq = seq
+        replica.last_seq = seq
 
     def remove_replica(self, replica_id: str) -> None:
         self._removed.add(replica_id)
@@ -267,13 +265,13 @@ class Router:
         return 1 + self._sessions.arrive(session_id) if session_id is not None else 0
 
     def _book(self, request_id: str, decision: RoutingDecision, request: RequestShape,
-              block_hashes: Sequence[BlockHash], now: float, session_id: str | None, session_turn: int) -> None:
+              block_hashes: Sequence[BlockHash], now: float, session_id: str | None) -> None:
         replica = self._replica(decision.replica_id)
         booked_from = decision.matched_blocks if self.config.assume_routed_prefix_cached else None
         uncached = request.num_uncached_tokens(decision.matched_blocks)
         booking = _Booking(request_id, decision.replica_id, block_hashes, request.num_prompt_tokens, uncached,
                            -(-uncached // self.block_size), now, replica.num_reports, booked_from, session_id,
-                           session_turn, self._sessions.expected_tokens(session_turn, uncached))
+                           request.session_turn, self._sessions.expected_tokens(request.session_turn, uncached))
         if booked_from is not None:
             self.index.book(decision.replica_id, block_hashes, booked_from)
         replica.add(booking)
@@ -287,7 +285,7 @@ class Router:
                 return
             self.release(booking.request_id)
 
-    def _report(self, replica_id: str, stats: SchedulerStats, finished: list[FinishedRequest]) -> None:
+    def _report(self, replica_id: str, stats: SchedulerStats, finished: list[FinishedRequest]) -> _Replica:
         replica = self._replica(replica_id)
         replica.reported()
         now = self._clock()
@@ -306,6 +304,7 @@ class Router:
             if request.num_cached_tokens is not None:
                 replica.snapshot.predicted_cached_tokens += booking.num_prompt_tokens - booking.num_uncached_tokens
                 replica.snapshot.actual_cached_tokens += request.num_cached_tokens
+        return replica
 
     def _replica(self, replica_id: str) -> _Replica:
         replica = self._replicas.get(replica_id)

@@ -58,7 +58,9 @@ class PrefixAwareRequestRouter(RequestRouter):
         request = _routable(pending_request)
         chosen = self._choices.pop(request.request_id, None) if request is not None else None
         if chosen is not None and chosen != replica_id.unique_id:
-            self._event_loop.create_task(self._tell_routed(request.request_id, replica_id.unique_id))
+            # Should this fail, the booking stays where it was until the request finishes.
+            self._event_loop.create_task(self._tell("routed", request.request_id, replica_id.unique_id,
+                                                    failure="could not move request %s's booking to %s"))
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         gone = self._replica_id_set - {replica.replica_id for replica in replicas}
@@ -72,48 +74,34 @@ class PrefixAwareRequestRouter(RequestRouter):
     async def _ask(self, request: Routable, candidates: list[str]) -> RoutingDecision | None:
         try:
             async with asyncio.timeout(self._timeout_s):
-                decision = await self._choose(request, candidates)
+                router = await self._router.get()
+                decision = await router.choose.remote(request.request_id, request.block_hashes, candidates,
+                                                      num_prompt_tokens=len(request.prompt_token_ids),
+                                                      session_id=request.session_id)
         except Exception as exc:  # slow, dead or unreachable: any of them means Serve routes this one
-            self._report_actor(ok=False, reason=exc)
+            if isinstance(exc, RayActorError):
+                self._router.reset()
+            if self._actor_ok:
+                logger.warning("router actor did not answer (%r); falling back to Serve's routing", exc)
+            self._actor_ok = False
             return None
-        self._report_actor(ok=True)
+        if not self._actor_ok:
+            logger.info("router actor answers again; routing by %s", self._policy.policy)
+        self._actor_ok = True
         return decision
-
-    async def _choose(self, request: Routable, candidates: list[str]) -> RoutingDecision:
-        router = await self._router.get()
-        try:
-            return await router.choose.remote(request.request_id, request.block_hashes, candidates,
-                                              num_prompt_tokens=len(request.prompt_token_ids),
-                                              session_id=request.session_id)
-        except RayActorError:
-            self._router.reset()
-            raise
 
     def _forget(self, replica_ids: Iterable[ReplicaID]) -> None:
         for replica_id in replica_ids:
-            self._event_loop.create_task(self._remove(replica_id.unique_id))
+            self._event_loop.create_task(self._tell(
+                "remove_replica", replica_id.unique_id, failure="could not remove replica %s from the router"))
 
-    async def _remove(self, replica_id: str) -> None:
+    async def _tell(self, method: str, *args: str, failure: str) -> None:
+        """Call the router actor's method; if that fails, log `failure` (formatted with args) and go on."""
         try:
             router = await self._router.get()
-            await router.remove_replica.remote(replica_id)
+            await getattr(router, method).remote(*args)
         except Exception as exc:
-            logger.warning("could not remove replica %s from the router: %s", replica_id, exc)
-
-    async def _tell_routed(self, request_id: str, replica_id: str) -> None:
-        try:
-            router = await self._router.get()
-            await router.routed.remote(request_id, replica_id)
-        except Exception as exc:  # the booking then stays where it was until the request finishes
-            logger.warning("could not move request %s's booking to %s: %s", request_id, replica_id, exc)
-
-    def _report_actor(self, *, ok: bool, reason: BaseException | None = None) -> None:
-        if ok != self._actor_ok:
-            if ok:
-                logger.info("router actor answers again; routing by %s", self._policy.policy)
-            else:
-                logger.warning("router actor did not answer (%r); falling back to Serve's routing", reason)
-        self._actor_ok = ok
+            logger.warning(failure + ": %s", *args, exc)
 
 
 def _routable(pending_request: PendingRequest | None) -> Routable | None:
