@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import openai
-from bench_routing import RouterMetrics, warm_up
+from bench_routing import RouterMetrics
 from export_tokenizer import export as export_tokenizer
+from live_app import openai_client, warm_up
 
 # With --concurrency alone AIPerf polls for a free slot in a busy loop, which takes most of a core from
 # the replicas on a small machine. A request rate far above what the app serves paces that loop (a free
@@ -87,8 +87,7 @@ def _wait_ready(server: subprocess.Popen, log: Path) -> None:
 
 async def warm_up_replicas(base_url: str, num_replicas: int) -> str:
     """The served model's name, after warming every replica up as bench_routing does."""
-    async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0) as client:
-        model = (await client.models.list()).data[0].id
+    async with openai_client(base_url) as (client, model):
         await warm_up(client, model, num_replicas)
     return model
 
