@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 from benchmarks.live_app import (local_app, metrics_text, openai_client, random_words,  # noqa: E402
                                  stream_completion)
+from benchmarks.timing import percentile  # noqa: E402
 
 QUEUE_POLICIES = ("fcfs", "continuum")
 
@@ -65,10 +66,6 @@ class Summary:
         return sum(max(t.history_tokens - t.cached_tokens, 0) for t in self.turns)
 
 
-def _quantile(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
-
-
 def report(title: str, summaries: list[Summary], notes: dict[str, str]) -> str:
     baseline = summaries[0]
     lines = [f"### {title}", "",
@@ -76,8 +73,8 @@ def report(title: str, summaries: list[Summary], notes: dict[str, str]) -> str:
              "| mean JCT vs fcfs | pins |", "|---|---|---|---|---|---|---|---|---|"]
     for summary in summaries:
         jct, ttft = summary.job_completion_s(), summary.next_turn_ttft_s()
-        lines.append(f"| {summary.queue_policy} | {statistics.mean(jct):.1f} | {_quantile(jct, 0.5):.1f} "
-                     f"| {_quantile(jct, 0.9):.1f} | {_quantile(ttft, 0.5):.2f} | {_quantile(ttft, 0.99):.2f} "
+        lines.append(f"| {summary.queue_policy} | {statistics.mean(jct):.1f} | {percentile(jct, 50):.1f} "
+                     f"| {percentile(jct, 90):.1f} | {percentile(ttft, 50):.2f} | {percentile(ttft, 99):.2f} "
                      f"| {summary.recomputed_tokens()} "
                      f"| {statistics.mean(baseline.job_completion_s()) / statistics.mean(jct):.2f}x "
                      f"| {notes.get(summary.queue_policy, '-')} |")

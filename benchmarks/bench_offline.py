@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from timing import timed
 from torch import nn
 
 from replica.engine import LLM, resolve_device, resolve_dtype
@@ -66,9 +67,7 @@ def make_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
 
 def bench_prefixserve(llm: LLM, workload: Workload) -> float:
     params = [SamplingParams(max_tokens=length, temperature=0, ignore_eos=True) for length in workload.output_lens]
-    start = time.perf_counter()
-    outputs = llm.generate(workload.prompts, params)
-    elapsed = time.perf_counter() - start
+    elapsed, outputs = timed(llm.generate, workload.prompts, params)
     assert [len(output.token_ids) for output in outputs] == workload.output_lens
     return elapsed
 
@@ -107,10 +106,8 @@ def bench_transformers(model: str | None, workload: Workload, dtype: torch.dtype
     with torch.inference_mode():
         hf_model.generate(input_ids[:2], attention_mask=torch.ones_like(input_ids[:2]), max_new_tokens=4,
                           do_sample=False)  # warm-up
-        start = time.perf_counter()
-        output = hf_model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                                   max_new_tokens=output_len, min_new_tokens=output_len)
-        elapsed = time.perf_counter() - start
+        elapsed, output = timed(hf_model.generate, input_ids, attention_mask=torch.ones_like(input_ids),
+                                do_sample=False, max_new_tokens=output_len, min_new_tokens=output_len)
     assert output.shape[1] - input_ids.shape[1] == output_len
     return elapsed
 

@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import functools
 import random
-import statistics
 import sys
 import time
 from collections import Counter, defaultdict
@@ -35,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 from benchmarks.live_app import (Completion, local_app, metrics_text, openai_client, random_words,  # noqa: E402
                                  stream_completion, warm_up)
+from benchmarks.timing import percentile  # noqa: E402
 from cluster.metrics import PREFIX as METRICS_PREFIX  # noqa: E402
 
 BASELINE = "round_robin"
@@ -77,7 +77,7 @@ class Result:
         return sum(s.cached_tokens for s in self.samples) / sum(s.prompt_tokens for s in self.samples)
 
     def ttft(self, quantile: float) -> float:
-        return statistics.quantiles([s.ttft_s for s in self.samples], n=100, method="inclusive")[quantile - 1]
+        return percentile([s.ttft_s for s in self.samples], quantile)
 
     @property
     def requests_per_s(self) -> float:

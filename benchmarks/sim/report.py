@@ -1,7 +1,8 @@
 """Metrics of one simulated run, and the markdown table and plot of many."""
-import statistics
 from collections import Counter
 from dataclasses import asdict, dataclass
+
+from benchmarks.timing import percentile
 
 from .cluster import RequestRecord
 from .pooled_lru import PooledReference
@@ -28,20 +29,16 @@ class RunMetrics:
 
 def measure(workload: str, num_replicas: int, policy: str, records: list[RequestRecord],
             preemptions: int, reference: PooledReference) -> RunMetrics:
-    ttft = _percentiles([r.first_token_s - r.arrival_s for r in records])
-    floor = _percentiles(reference.ttft_floor)
-    queued = _percentiles([r.scheduled_s - r.arrival_s for r in records])
+    ttft = [r.first_token_s - r.arrival_s for r in records]
+    queued = [r.scheduled_s - r.arrival_s for r in records]
     per_replica = Counter(r.replica_id for r in records)
     mean_load = len(records) / num_replicas
     return RunMetrics(workload, num_replicas, policy, len(records),
                       sum(r.num_cached_tokens for r in records) / sum(r.num_prompt_tokens for r in records),
-                      ttft[50], ttft[90], ttft[99], queued[50], queued[99],
-                      max(per_replica.values()) / mean_load, preemptions, reference.hit_rate, floor[50], floor[99])
-
-
-def _percentiles(values: list[float]) -> dict[int, float]:
-    cuts = statistics.quantiles(values, n=100, method="inclusive")
-    return {50: cuts[49], 90: cuts[89], 99: cuts[98]}
+                      percentile(ttft, 50), percentile(ttft, 90), percentile(ttft, 99),
+                      percentile(queued, 50), percentile(queued, 99), max(per_replica.values()) / mean_load,
+                      preemptions, reference.hit_rate, percentile(reference.ttft_floor, 50),
+                      percentile(reference.ttft_floor, 99))
 
 
 HEADER = ("| workload | N | policy | hit rate | pooled LRU | TTFT p50 (s) | p90 | p99 | queued p50 (s) | p99 | "
