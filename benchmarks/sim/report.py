@@ -46,30 +46,17 @@ HEADER = ("| workload | N | policy | hit rate | pooled LRU | TTFT p50 (s) | p90 
 
 
 def table(runs: list[RunMetrics]) -> str:
-    best = _best_marks(runs)
+    """A row a run; in bold, the best hit rate, TTFT p50 and TTFT p99 of each (workload, N)."""
     lines = [HEADER]
     for run in runs:
-        mark = best.get((run.workload, run.num_replicas, run.policy), set())
-        cells = [_bold(f"{run.hit_rate:.1%}", "hit" in mark), f"{run.pooled_lru_hit_rate:.1%}", _bold(f"{run.ttft_p50:.2f}", "p50" in mark),
-                 f"{run.ttft_p90:.2f}", _bold(f"{run.ttft_p99:.2f}", "p99" in mark),
-                 f"{run.queue_p50:.2f}", f"{run.queue_p99:.2f}", f"{run.load_max_over_mean:.2f}",
-                 str(run.preemptions)]
+        group = [r for r in runs if (r.workload, r.num_replicas) == (run.workload, run.num_replicas)]
+        best_hit, best_p50, best_p99 = (min(group, key=key) is run for key in (
+            lambda r: -r.hit_rate, lambda r: r.ttft_p50, lambda r: r.ttft_p99))
+        cells = [_bold(f"{run.hit_rate:.1%}", best_hit), f"{run.pooled_lru_hit_rate:.1%}",
+                 _bold(f"{run.ttft_p50:.2f}", best_p50), f"{run.ttft_p90:.2f}", _bold(f"{run.ttft_p99:.2f}", best_p99),
+                 f"{run.queue_p50:.2f}", f"{run.queue_p99:.2f}", f"{run.load_max_over_mean:.2f}", str(run.preemptions)]
         lines.append(f"| {run.workload} | {run.num_replicas} | {run.policy} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def _best_marks(runs: list[RunMetrics]) -> dict[tuple, set[str]]:
-    """Per (workload, N): which policy has the best hit rate, TTFT p50 and TTFT p99."""
-    marks: dict[tuple, set[str]] = {}
-    groups: dict[tuple, list[RunMetrics]] = {}
-    for run in runs:
-        groups.setdefault((run.workload, run.num_replicas), []).append(run)
-    for group in groups.values():
-        for name, key in (("hit", lambda r: -r.hit_rate), ("p50", lambda r: r.ttft_p50),
-                          ("p99", lambda r: r.ttft_p99)):
-            winner = min(group, key=key)
-            marks.setdefault((winner.workload, winner.num_replicas, winner.policy), set()).add(name)
-    return marks
 
 
 def _bold(text: str, bold: bool) -> str:
