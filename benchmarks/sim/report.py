@@ -105,12 +105,11 @@ def plot(runs: list[RunMetrics], path: str) -> None:
                 points = [(r.num_replicas, asdict(r)[value]) for r in runs
                           if r.workload == workload and r.policy == policy]
                 axis.plot(*zip(*sorted(points)), marker="o", label=policy)
+            axis.set(xlabel="replicas", ylabel=label)
             axis.set_xscale("log", base=2)
-            axis.set_xlabel("replicas")
-            axis.set_ylabel(label)
             if row == 0:
                 axis.set_title(workload)
-            if row > 0:
+            else:
                 axis.set_yscale("log")
     axes[0][0].legend(fontsize="small")
     figure.tight_layout()
