@@ -51,14 +51,14 @@ class RouterMetrics:
     @classmethod
     def parse(cls, text: str) -> "RouterMetrics":
         metrics = cls(Counter())
-        sums = {f"{METRICS_PREFIX}{name}_total": name for name in ("prefix_cache_queries", "prefix_cache_hits")}
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 if sample.name == f"{METRICS_PREFIX}router_decisions_total":
                     metrics.decisions[sample.labels["outcome"]] += sample.value
-                elif sample.name in sums:
-                    name = sums[sample.name]
-                    setattr(metrics, name, getattr(metrics, name) + sample.value)
+                elif sample.name == f"{METRICS_PREFIX}prefix_cache_queries_total":
+                    metrics.prefix_cache_queries += sample.value
+                elif sample.name == f"{METRICS_PREFIX}prefix_cache_hits_total":
+                    metrics.prefix_cache_hits += sample.value
         return metrics
 
     def describe_decisions(self) -> str:
@@ -77,7 +77,7 @@ class Result:
         return sum(s.cached_tokens for s in self.samples) / sum(s.prompt_tokens for s in self.samples)
 
     def ttft(self, quantile: float) -> float:
-        return percentile([s.ttft_s for s in self.samples], quantile)
+        return percentile([s.first_token_s - s.sent_s for s in self.samples], quantile)
 
     @property
     def requests_per_s(self) -> float:

@@ -72,10 +72,6 @@ class Completion:
     output_tokens: int
     replica_id: str
 
-    @property
-    def ttft_s(self) -> float:
-        return self.first_token_s - self.sent_s
-
 
 async def stream_completion(client, model: str, prompt: str, max_tokens: int, headers: dict | None = None,
                             **body) -> Completion:
