@@ -27,13 +27,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from timing import timed
 from torch import nn
 
-from replica.engine import LLM, resolve_device, resolve_dtype
-from replica.executor.checkpoint import default_model_path, load_checkpoint
-from replica.executor.packed_linear import PackedLinear
-from replica.request import SamplingParams
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+
+from benchmarks.timing import timed  # noqa: E402
+from replica.engine import LLM, resolve_device, resolve_dtype  # noqa: E402
+from replica.executor.checkpoint import default_model_path, load_checkpoint  # noqa: E402
+from replica.executor.packed_linear import PackedLinear  # noqa: E402
+from replica.request import SamplingParams  # noqa: E402
 
 FIRST_NORMAL_TOKEN = 17  # SmolLM2's ids below this are special tokens
 
@@ -159,7 +161,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         model = args.model
         if args.random_model:
-            from random_model import write_random_model
+            from benchmarks.random_model import write_random_model
             model = str(write_random_model(Path(scratch, args.random_model), args.random_model))
         run(args, model)
 
@@ -204,5 +206,4 @@ def print_table(rows: list[tuple[str, float, str]], workload: Workload) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).parent))  # random_model, beside this file
     main()

@@ -20,14 +20,17 @@ import argparse
 import gc
 import random
 import statistics
+import sys
 import time
 import tracemalloc
+from pathlib import Path
 
-from timing import percentile, timed
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
-from replica.kv_cache import BlockRemoved, BlockStored, hash_token_blocks
-from replica.scheduler import SchedulerStats
-from router import FinishedRequest, PolicyConfig, Router
+from benchmarks.timing import percentile, timed  # noqa: E402
+from replica.kv_cache import BlockRemoved, BlockStored, hash_token_blocks  # noqa: E402
+from replica.scheduler import SchedulerStats  # noqa: E402
+from router import FinishedRequest, PolicyConfig, Router  # noqa: E402
 
 BLOCK_SIZE = 16
 CHAIN_BLOCKS = 512
