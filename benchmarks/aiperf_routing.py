@@ -27,9 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from bench_routing import RouterMetrics
-from export_tokenizer import export as export_tokenizer
-from live_app import openai_client, warm_up
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+
+from benchmarks.bench_routing import RouterMetrics  # noqa: E402
+from benchmarks.export_tokenizer import export as export_tokenizer  # noqa: E402
+from benchmarks.live_app import openai_client, warm_up  # noqa: E402
 
 # With --concurrency alone AIPerf polls for a free slot in a busy loop, which takes most of a core from
 # the replicas on a small machine. A request rate far above what the app serves paces that loop (a free
