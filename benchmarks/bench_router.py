@@ -194,7 +194,7 @@ def main() -> None:
     print(f"{args.blocks} cached blocks of {BLOCK_SIZE} tokens per replica, {CHAIN_BLOCKS}-block (8k-token) "
           f"prompts, {args.requests} decisions, a {EVENTS_PER_BATCH}-event batch every {DECISIONS_PER_BATCH}")
     print(f"index memory: {bytes_per_block(4, min(args.blocks, 8192)):.0f} bytes per cached block (4 replicas)")
-    print(f"| N | what | p50 µs | p99 µs | max µs | p50 x scan |")
+    print("| N | what | p50 µs | p99 µs | max µs | p50 x scan |")
     print("|---|---|---|---|---|---|")
     for num_replicas in args.replicas:
         samples = run(num_replicas, args.blocks, args.requests)
