@@ -26,10 +26,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-import openai
-from bench_routing import RouterMetrics, warm_up
-from export_tokenizer import export as export_tokenizer
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+
+from benchmarks.bench_routing import RouterMetrics  # noqa: E402
+from benchmarks.export_tokenizer import export as export_tokenizer  # noqa: E402
+from benchmarks.live_app import metrics_text, openai_client, warm_up  # noqa: E402
 
 # With --concurrency alone AIPerf polls for a free slot in a busy loop, which takes most of a core from
 # the replicas on a small machine. A request rate far above what the app serves paces that loop (a free
@@ -87,8 +88,7 @@ def _wait_ready(server: subprocess.Popen, log: Path) -> None:
 
 async def warm_up_replicas(base_url: str, num_replicas: int) -> str:
     """The served model's name, after warming every replica up as bench_routing does."""
-    async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0) as client:
-        model = (await client.models.list()).data[0].id
+    async with openai_client(base_url) as (client, model):
         await warm_up(client, model, num_replicas)
     return model
 
@@ -110,7 +110,7 @@ def run_aiperf(base_url: str, policy: str, tokenizer: Path, args: argparse.Names
         "--artifact-dir", str(artifacts), "--ui-type", "none", *sessions,
     ], check=True)  # not HF_HUB_OFFLINE=1: AIPerf 0.13 then looks a local --tokenizer up in the hub's cache
     export = json.loads(next(artifacts.rglob("profile_export_aiperf.json")).read_text())
-    return Result(policy, export, RouterMetrics.parse(httpx.get(f"{base_url}/metrics").text))
+    return Result(policy, export, RouterMetrics.parse(asyncio.run(metrics_text(base_url))))
 
 
 def report(results: list[Result]) -> None:

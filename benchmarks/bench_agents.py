@@ -19,6 +19,7 @@ history is freed and, under memory pressure, evicted before the next turn comes 
 """
 import argparse
 import asyncio
+import functools
 import math
 import random
 import statistics
@@ -29,9 +30,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
+from benchmarks.live_app import (local_app, metrics_text, openai_client, random_words,  # noqa: E402
+                                 stream_completion)
+from benchmarks.timing import percentile  # noqa: E402
+
 QUEUE_POLICIES = ("fcfs", "continuum")
-WORDS = ("river stone light garden window paper silver engine market winter harbor candle forest "
-         "signal mirror ladder orbit canvas thunder meadow lantern velvet copper shadow").split()
 
 
 @dataclass
@@ -63,10 +66,6 @@ class Summary:
         return sum(max(t.history_tokens - t.cached_tokens, 0) for t in self.turns)
 
 
-def _quantile(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
-
-
 def report(title: str, summaries: list[Summary], notes: dict[str, str]) -> str:
     baseline = summaries[0]
     lines = [f"### {title}", "",
@@ -74,8 +73,8 @@ def report(title: str, summaries: list[Summary], notes: dict[str, str]) -> str:
              "| mean JCT vs fcfs | pins |", "|---|---|---|---|---|---|---|---|---|"]
     for summary in summaries:
         jct, ttft = summary.job_completion_s(), summary.next_turn_ttft_s()
-        lines.append(f"| {summary.queue_policy} | {statistics.mean(jct):.1f} | {_quantile(jct, 0.5):.1f} "
-                     f"| {_quantile(jct, 0.9):.1f} | {_quantile(ttft, 0.5):.2f} | {_quantile(ttft, 0.99):.2f} "
+        lines.append(f"| {summary.queue_policy} | {statistics.mean(jct):.1f} | {percentile(jct, 50):.1f} "
+                     f"| {percentile(jct, 90):.1f} | {percentile(ttft, 50):.2f} | {percentile(ttft, 99):.2f} "
                      f"| {summary.recomputed_tokens()} "
                      f"| {statistics.mean(baseline.job_completion_s()) / statistics.mean(jct):.2f}x "
                      f"| {notes.get(summary.queue_policy, '-')} |")
@@ -155,10 +154,7 @@ class LiveProgram:
 
 def make_live_programs(args: argparse.Namespace) -> list[LiveProgram]:
     rng = random.Random(args.seed)
-
-    def words(n: int) -> str:
-        return " ".join(rng.choice(WORDS) for _ in range(n))
-
+    words = functools.partial(random_words, rng)
     systems = [f"You are agent {i}. Tools: search, read, write. {words(args.live_system_words)}" for i in range(2)]
     return [LiveProgram(f"agent-{i}", f"{rng.choice(systems)}\nTask {i}: {words(30)}\n",
                         [f"Tool result: {words(rng.randint(40, 90))}\nAssistant:" for _ in range(args.live_turns)],
@@ -173,43 +169,28 @@ async def run_program(client, model: str, program: LiveProgram, max_tokens: int,
             await asyncio.sleep(program.gaps_s[index])
         context += tool_result
         last = index == len(program.tool_results) - 1
-        arrival = time.monotonic() - clock_start
-        stream = await client.completions.create(
-            model=model, prompt=context, max_tokens=max_tokens, temperature=0, stream=True,
-            stream_options={"include_usage": True}, extra_headers={"X-Session-Id": program.name},
-            extra_body={"ignore_eos": True, "last_turn": last})
-        first_token, text = None, ""
-        async for chunk in stream:
-            if chunk.choices and chunk.choices[0].text:
-                first_token = first_token or time.monotonic() - clock_start
-                text += chunk.choices[0].text
-            if chunk.usage is not None:
-                usage = chunk.usage
-        results.append(TurnResult(program.name, arrival, first_token, time.monotonic() - clock_start,
-                                  usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens, history))
-        history = usage.prompt_tokens + usage.completion_tokens - 1
-        context += text + "\n"
+        turn = await stream_completion(client, model, context, max_tokens, {"X-Session-Id": program.name},
+                                       last_turn=last)
+        results.append(TurnResult(program.name, turn.sent_s - clock_start, turn.first_token_s - clock_start,
+                                  turn.finished_s - clock_start, turn.prompt_tokens, turn.cached_tokens, history))
+        history = turn.prompt_tokens + turn.output_tokens - 1
+        context += turn.text + "\n"
     return results
 
 
 async def run_live_workload(base_url: str, programs: list[LiveProgram], max_tokens: int) -> list[TurnResult]:
-    import openai
-
-    async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=900) as client:
-        model = (await client.models.list()).data[0].id
+    async with openai_client(base_url, timeout=900) as (client, model):
         start = time.monotonic()
         per_program = await asyncio.gather(*(run_program(client, model, p, max_tokens, start) for p in programs))
     return [turn for turns in per_program for turn in turns]
 
 
 async def pin_metrics(base_url: str) -> str:
-    import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
     from cluster.metrics import PREFIX
 
-    async with httpx.AsyncClient() as client:
-        text = (await client.get(f"{base_url}/metrics")).text
+    text = await metrics_text(base_url)
     totals = {family.name.removeprefix(PREFIX): sum(sample.value for sample in family.samples
                                                      if sample.name.endswith("_total"))
               for family in text_string_to_metric_families(text)}
@@ -218,8 +199,6 @@ async def pin_metrics(base_url: str) -> str:
 
 
 def live(args: argparse.Namespace) -> tuple[str, list[Summary]]:
-    from benchmarks.live_app import local_app
-
     programs = make_live_programs(args)
     summaries, notes = [], {}
     with local_app() as deploy:

@@ -29,10 +29,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from replica.engine import LLM, resolve_device, resolve_dtype
-from replica.executor.checkpoint import default_model_path, load_checkpoint
-from replica.executor.packed_linear import PackedLinear
-from replica.request import SamplingParams
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+
+from benchmarks.timing import timed  # noqa: E402
+from replica.engine import LLM, resolve_device, resolve_dtype  # noqa: E402
+from replica.executor.checkpoint import default_model_path, load_checkpoint  # noqa: E402
+from replica.executor.packed_linear import PackedLinear  # noqa: E402
+from replica.request import SamplingParams  # noqa: E402
 
 FIRST_NORMAL_TOKEN = 17  # SmolLM2's ids below this are special tokens
 
@@ -66,9 +69,7 @@ def make_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
 
 def bench_prefixserve(llm: LLM, workload: Workload) -> float:
     params = [SamplingParams(max_tokens=length, temperature=0, ignore_eos=True) for length in workload.output_lens]
-    start = time.perf_counter()
-    outputs = llm.generate(workload.prompts, params)
-    elapsed = time.perf_counter() - start
+    elapsed, outputs = timed(llm.generate, workload.prompts, params)
     assert [len(output.token_ids) for output in outputs] == workload.output_lens
     return elapsed
 
@@ -107,10 +108,8 @@ def bench_transformers(model: str | None, workload: Workload, dtype: torch.dtype
     with torch.inference_mode():
         hf_model.generate(input_ids[:2], attention_mask=torch.ones_like(input_ids[:2]), max_new_tokens=4,
                           do_sample=False)  # warm-up
-        start = time.perf_counter()
-        output = hf_model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                                   max_new_tokens=output_len, min_new_tokens=output_len)
-        elapsed = time.perf_counter() - start
+        elapsed, output = timed(hf_model.generate, input_ids, attention_mask=torch.ones_like(input_ids),
+                                do_sample=False, max_new_tokens=output_len, min_new_tokens=output_len)
     assert output.shape[1] - input_ids.shape[1] == output_len
     return elapsed
 
@@ -162,7 +161,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         model = args.model
         if args.random_model:
-            from random_model import write_random_model
+            from benchmarks.random_model import write_random_model
             model = str(write_random_model(Path(scratch, args.random_model), args.random_model))
         run(args, model)
 
@@ -207,5 +206,4 @@ def print_table(rows: list[tuple[str, float, str]], workload: Workload) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).parent))  # random_model, beside this file
     main()

@@ -20,12 +20,17 @@ import argparse
 import gc
 import random
 import statistics
+import sys
 import time
 import tracemalloc
+from pathlib import Path
 
-from replica.kv_cache import BlockRemoved, BlockStored, hash_token_blocks
-from replica.scheduler import SchedulerStats
-from router import FinishedRequest, PolicyConfig, Router
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+
+from benchmarks.timing import percentile, timed  # noqa: E402
+from replica.kv_cache import BlockRemoved, BlockStored, hash_token_blocks  # noqa: E402
+from replica.scheduler import SchedulerStats  # noqa: E402
+from router import FinishedRequest, PolicyConfig, Router  # noqa: E402
 
 BLOCK_SIZE = 16
 CHAIN_BLOCKS = 512
@@ -124,12 +129,6 @@ class PauseClock:
             self.pauses.append(time.perf_counter() - self._start)
 
 
-def timed(fn, *args, **kwargs) -> tuple[float, object]:
-    start = time.perf_counter()
-    result = fn(*args, **kwargs)
-    return time.perf_counter() - start, result
-
-
 def bytes_per_block(num_replicas: int, blocks: int) -> float:
     """Memory the router holds per cached block, the hashes' bytes objects included (as in the actor,
     where every replica's events arrive as objects of their own)."""
@@ -186,10 +185,6 @@ def publish(router: Router, cluster: Cluster, replica_id: str, events: list, fin
     return timed(router.publish, replica_id, cluster.seq[replica_id], events, stats(cluster.rng), finished)[0]
 
 
-def quantile(values: list[float], q: int) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--replicas", type=int, nargs="+", default=[4, 16, 64])
@@ -199,14 +194,14 @@ def main() -> None:
     print(f"{args.blocks} cached blocks of {BLOCK_SIZE} tokens per replica, {CHAIN_BLOCKS}-block (8k-token) "
           f"prompts, {args.requests} decisions, a {EVENTS_PER_BATCH}-event batch every {DECISIONS_PER_BATCH}")
     print(f"index memory: {bytes_per_block(4, min(args.blocks, 8192)):.0f} bytes per cached block (4 replicas)")
-    print(f"| N | what | p50 µs | p99 µs | max µs | p50 x scan |")
+    print("| N | what | p50 µs | p99 µs | max µs | p50 x scan |")
     print("|---|---|---|---|---|---|")
     for num_replicas in args.replicas:
         samples = run(num_replicas, args.blocks, args.requests)
         scan_p50 = statistics.median(samples["scan"])
         for name, values in samples.items():
             ratio = f"{statistics.median(values) / scan_p50:.3f}" if name != "gc pause" else "-"
-            print(f"| {num_replicas} | {name} | {quantile(values, 50) * 1e6:.0f} | {quantile(values, 99) * 1e6:.0f} "
+            print(f"| {num_replicas} | {name} | {percentile(values, 50) * 1e6:.0f} | {percentile(values, 99) * 1e6:.0f} "
                   f"| {max(values) * 1e6:.0f} | {ratio} |", flush=True)
 
 

@@ -20,61 +20,45 @@ round_robin, the baseline, measured in the same process, and the router's decisi
 """
 import argparse
 import asyncio
+import functools
 import random
-import statistics
 import sys
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
-from benchmarks.live_app import local_app  # noqa: E402
+from benchmarks.live_app import (Completion, local_app, metrics_text, openai_client, random_words,  # noqa: E402
+                                 stream_completion, warm_up)
+from benchmarks.timing import percentile  # noqa: E402
 from cluster.metrics import PREFIX as METRICS_PREFIX  # noqa: E402
-from cluster.protocol import REPLICA_HEADER  # noqa: E402
 
 BASELINE = "round_robin"
-WORDS = ("river stone light garden window paper silver engine market winter harbor candle forest "
-         "signal mirror ladder orbit canvas thunder meadow lantern velvet copper shadow").split()
-
-
-@dataclass
-class Sample:
-    ttft_s: float
-    prompt_tokens: int
-    cached_tokens: int
-    output_tokens: int
-    replica_id: str
 
 
 @dataclass
 class RouterMetrics:
-    """The app's /metrics summed over replicas: the router's decisions by outcome, the cached tokens it
-    predicted and the replicas found for the same requests, and the engines' prefix-cache counters."""
+    """The app's /metrics summed over replicas: the router's decisions by outcome and the engines'
+    prefix-cache counters."""
     decisions: Counter
-    predicted_cached_tokens: float = 0
-    actual_cached_tokens: float = 0
     prefix_cache_queries: float = 0
     prefix_cache_hits: float = 0
 
     @classmethod
     def parse(cls, text: str) -> "RouterMetrics":
         metrics = cls(Counter())
-        sums = {f"{METRICS_PREFIX}{name}_total": name for name in (
-            "router_predicted_cached_tokens", "router_actual_cached_tokens", "prefix_cache_queries",
-            "prefix_cache_hits")}
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 if sample.name == f"{METRICS_PREFIX}router_decisions_total":
                     metrics.decisions[sample.labels["outcome"]] += sample.value
-                elif sample.name in sums:
-                    name = sums[sample.name].removeprefix("router_")
-                    setattr(metrics, name, getattr(metrics, name) + sample.value)
+                elif sample.name == f"{METRICS_PREFIX}prefix_cache_queries_total":
+                    metrics.prefix_cache_queries += sample.value
+                elif sample.name == f"{METRICS_PREFIX}prefix_cache_hits_total":
+                    metrics.prefix_cache_hits += sample.value
         return metrics
 
     def describe_decisions(self) -> str:
@@ -84,7 +68,7 @@ class RouterMetrics:
 @dataclass
 class Result:
     policy: str
-    samples: list[Sample]
+    samples: list[Completion]
     wall_s: float
     router: RouterMetrics
 
@@ -93,7 +77,7 @@ class Result:
         return sum(s.cached_tokens for s in self.samples) / sum(s.prompt_tokens for s in self.samples)
 
     def ttft(self, quantile: float) -> float:
-        return statistics.quantiles([s.ttft_s for s in self.samples], n=100, method="inclusive")[quantile - 1]
+        return percentile([s.first_token_s - s.sent_s for s in self.samples], quantile)
 
     @property
     def requests_per_s(self) -> float:
@@ -114,10 +98,7 @@ def make_turns(args: argparse.Namespace) -> list[Turn]:
     """Every session's turns, growing its context, in one seeded shuffled order that keeps each
     session's turns in sequence."""
     rng = random.Random(args.seed)
-
-    def words(n: int) -> str:
-        return " ".join(rng.choice(WORDS) for _ in range(n))
-
+    words = functools.partial(random_words, rng)
     systems = [f"System prompt {i}. {words(args.system_words)}" for i in range(args.systems)]
     prompts = []
     for session, system in enumerate(systems * args.sessions):
@@ -132,50 +113,23 @@ def make_turns(args: argparse.Namespace) -> list[Turn]:
     return [Turn(session, prompts[session].pop(0)) for session in order]
 
 
-async def send(client: openai.AsyncOpenAI, model: str, prompt: str, max_tokens: int) -> Sample:
-    start = time.monotonic()
-    raw = await client.completions.with_raw_response.create(
-        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-    ttft_s = None
-    async for chunk in raw.parse():
-        if ttft_s is None and chunk.choices and chunk.choices[0].text:
-            ttft_s = time.monotonic() - start
-        if chunk.usage is not None:
-            usage = chunk.usage
-    return Sample(ttft_s, usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens, usage.completion_tokens,
-                  raw.headers[REPLICA_HEADER])
-
-
-async def warm_up(client: openai.AsyncOpenAI, model: str, num_replicas: int) -> None:
-    """Every replica's first forward passes are slow: take them with prompts sharing nothing."""
-    await asyncio.gather(*(send(client, model, f"warm up {i}", 2) for i in range(2 * num_replicas)))
-
-
 async def run_workload(base_url: str, policy: str, turns: list[Turn], args: argparse.Namespace) -> Result:
-    async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0,
-                                  timeout=600) as client:
-        model = (await client.models.list()).data[0].id
+    async with openai_client(base_url, timeout=600) as (client, model):
         await warm_up(client, model, args.replicas)
         queue = list(reversed(turns))
         sessions = defaultdict(asyncio.Lock)  # FIFO: a session's next turn waits for its previous one
-        samples: list[Sample] = []
+        samples: list[Completion] = []
 
         async def worker() -> None:
             while queue:
                 turn = queue.pop()
                 async with sessions[turn.session]:
-                    samples.append(await send(client, model, turn.prompt, args.max_tokens))
+                    samples.append(await stream_completion(client, model, turn.prompt, args.max_tokens))
 
         start = time.monotonic()
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
         wall_s = time.monotonic() - start
-    return Result(policy, samples, wall_s, await router_metrics(base_url))
-
-
-async def router_metrics(base_url: str) -> RouterMetrics:
-    async with httpx.AsyncClient() as client:
-        return RouterMetrics.parse((await client.get(f"{base_url}/metrics")).text)
+    return Result(policy, samples, wall_s, RouterMetrics.parse(await metrics_text(base_url)))
 
 
 def deploy_and_run(args: argparse.Namespace, turns: list[Turn]) -> list[Result]:

@@ -55,7 +55,8 @@ def add(scheduler: Scheduler, prompt: list[int], index: int, max_tokens: int) ->
     scheduler.add_request(Request(f"r{index}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
 
 
-def time_steps(scheduler: Scheduler, model: FakeModel, steps: int, on_step=None) -> list[float]:
+def time_steps(scheduler: Scheduler, steps: int, on_step=None) -> list[float]:
+    model = FakeModel(scheduler)
     samples = []
     for step in range(steps):
         if on_step is not None:
@@ -69,23 +70,21 @@ def time_steps(scheduler: Scheduler, model: FakeModel, steps: int, on_step=None)
 
 def bench_decode(num_running: int, steps: int) -> float:
     scheduler = make_scheduler(num_running)
-    model = FakeModel(scheduler)
     for index, prompt in enumerate(make_prompts(random.Random(0), num_running)):
         add(scheduler, prompt, index, max_tokens=10_000)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running) or scheduler.waiting:
-        time_steps(scheduler, model, 1)
-    return statistics.median(time_steps(scheduler, model, steps))
+        time_steps(scheduler, 1)
+    return statistics.median(time_steps(scheduler, steps))
 
 
 def bench_continuous(num_running: int, steps: int) -> float:
     """About num_running/128 arrivals a step; lifetimes of ~128 steps keep num_running steady."""
     rng = random.Random(1)
     scheduler = make_scheduler(num_running)
-    model = FakeModel(scheduler)
     prompts = make_prompts(rng, num_running + steps * 3)
     for index in range(num_running):
         add(scheduler, prompts[index], index, max_tokens=rng.randrange(1, 256))
-    time_steps(scheduler, model, 256)  # reach the steady mix of ages
+    time_steps(scheduler, 256)  # reach the steady mix of ages
     next_index = num_running
     arrivals = num_running / 128
 
@@ -94,7 +93,7 @@ def bench_continuous(num_running: int, steps: int) -> float:
         for _ in range(int((step + 1) * arrivals) - int(step * arrivals)):
             add(scheduler, prompts[next_index], next_index, max_tokens=rng.randrange(64, 192))
             next_index += 1
-    return statistics.median(time_steps(scheduler, model, steps, arrive))
+    return statistics.median(time_steps(scheduler, steps, arrive))
 
 
 def bench_floor(num_running: int, steps: int) -> float:

@@ -71,9 +71,6 @@ class SimReplica:
                 self._finished.append(FinishedRequest(result.request_id, request.num_cached_tokens))
         return outputs
 
-    def request(self, request_id: str) -> Request:
-        return self._live[request_id]
-
     def publish(self) -> Publication:
         self._seq += 1
         finished, self._finished = self._finished, []

@@ -1,7 +1,8 @@
 """Metrics of one simulated run, and the markdown table and plot of many."""
-import statistics
 from collections import Counter
 from dataclasses import asdict, dataclass
+
+from benchmarks.timing import percentile
 
 from .cluster import RequestRecord
 from .pooled_lru import PooledReference
@@ -28,20 +29,16 @@ class RunMetrics:
 
 def measure(workload: str, num_replicas: int, policy: str, records: list[RequestRecord],
             preemptions: int, reference: PooledReference) -> RunMetrics:
-    ttft = _percentiles([r.first_token_s - r.arrival_s for r in records])
-    floor = _percentiles(reference.ttft_floor)
-    queued = _percentiles([r.scheduled_s - r.arrival_s for r in records])
+    ttft = [r.first_token_s - r.arrival_s for r in records]
+    queued = [r.scheduled_s - r.arrival_s for r in records]
     per_replica = Counter(r.replica_id for r in records)
     mean_load = len(records) / num_replicas
     return RunMetrics(workload, num_replicas, policy, len(records),
                       sum(r.num_cached_tokens for r in records) / sum(r.num_prompt_tokens for r in records),
-                      ttft[50], ttft[90], ttft[99], queued[50], queued[99],
-                      max(per_replica.values()) / mean_load, preemptions, reference.hit_rate, floor[50], floor[99])
-
-
-def _percentiles(values: list[float]) -> dict[int, float]:
-    cuts = statistics.quantiles(values, n=100, method="inclusive")
-    return {50: cuts[49], 90: cuts[89], 99: cuts[98]}
+                      percentile(ttft, 50), percentile(ttft, 90), percentile(ttft, 99),
+                      percentile(queued, 50), percentile(queued, 99), max(per_replica.values()) / mean_load,
+                      preemptions, reference.hit_rate, percentile(reference.ttft_floor, 50),
+                      percentile(reference.ttft_floor, 99))
 
 
 HEADER = ("| workload | N | policy | hit rate | pooled LRU | TTFT p50 (s) | p90 | p99 | queued p50 (s) | p99 | "
@@ -49,30 +46,17 @@ HEADER = ("| workload | N | policy | hit rate | pooled LRU | TTFT p50 (s) | p90 
 
 
 def table(runs: list[RunMetrics]) -> str:
-    best = _best_marks(runs)
+    """A row a run; in bold, the best hit rate, TTFT p50 and TTFT p99 of each (workload, N)."""
     lines = [HEADER]
     for run in runs:
-        mark = best.get((run.workload, run.num_replicas, run.policy), set())
-        cells = [_bold(f"{run.hit_rate:.1%}", "hit" in mark), f"{run.pooled_lru_hit_rate:.1%}", _bold(f"{run.ttft_p50:.2f}", "p50" in mark),
-                 f"{run.ttft_p90:.2f}", _bold(f"{run.ttft_p99:.2f}", "p99" in mark),
-                 f"{run.queue_p50:.2f}", f"{run.queue_p99:.2f}", f"{run.load_max_over_mean:.2f}",
-                 str(run.preemptions)]
+        group = [r for r in runs if (r.workload, r.num_replicas) == (run.workload, run.num_replicas)]
+        best_hit, best_p50, best_p99 = (min(group, key=key) is run for key in (
+            lambda r: -r.hit_rate, lambda r: r.ttft_p50, lambda r: r.ttft_p99))
+        cells = [_bold(f"{run.hit_rate:.1%}", best_hit), f"{run.pooled_lru_hit_rate:.1%}",
+                 _bold(f"{run.ttft_p50:.2f}", best_p50), f"{run.ttft_p90:.2f}", _bold(f"{run.ttft_p99:.2f}", best_p99),
+                 f"{run.queue_p50:.2f}", f"{run.queue_p99:.2f}", f"{run.load_max_over_mean:.2f}", str(run.preemptions)]
         lines.append(f"| {run.workload} | {run.num_replicas} | {run.policy} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def _best_marks(runs: list[RunMetrics]) -> dict[tuple, set[str]]:
-    """Per (workload, N): which policy has the best hit rate, TTFT p50 and TTFT p99."""
-    marks: dict[tuple, set[str]] = {}
-    groups: dict[tuple, list[RunMetrics]] = {}
-    for run in runs:
-        groups.setdefault((run.workload, run.num_replicas), []).append(run)
-    for group in groups.values():
-        for name, key in (("hit", lambda r: -r.hit_rate), ("p50", lambda r: r.ttft_p50),
-                          ("p99", lambda r: r.ttft_p99)):
-            winner = min(group, key=key)
-            marks.setdefault((winner.workload, winner.num_replicas, winner.policy), set()).add(name)
-    return marks
 
 
 def _bold(text: str, bold: bool) -> str:
@@ -121,12 +105,11 @@ def plot(runs: list[RunMetrics], path: str) -> None:
                 points = [(r.num_replicas, asdict(r)[value]) for r in runs
                           if r.workload == workload and r.policy == policy]
                 axis.plot(*zip(*sorted(points)), marker="o", label=policy)
+            axis.set(xlabel="replicas", ylabel=label)
             axis.set_xscale("log", base=2)
-            axis.set_xlabel("replicas")
-            axis.set_ylabel(label)
             if row == 0:
                 axis.set_title(workload)
-            if row > 0:
+            else:
                 axis.set_yscale("log")
     axes[0][0].legend(fontsize="small")
     figure.tight_layout()

@@ -47,75 +47,65 @@ class Program:
     start_s: float = 0.0
 
 
-class _Tokens:
-    def __init__(self, rng: random.Random):
-        self.rng = rng
-
-    def draw(self, low: int, high: int) -> list[int]:
-        return self.rng.choices(_VOCAB_IDS, k=self.rng.randint(low, high))
-
-    def zipf_index(self, weights: list[float]) -> int:
-        return self.rng.choices(range(len(weights)), weights)[0]
+def _draw(rng: random.Random, low: int, high: int) -> list[int]:
+    """U(low, high) token ids."""
+    return rng.choices(_VOCAB_IDS, k=rng.randint(low, high))
 
 
 def _zipf_weights(count: int, exponent: float = 1.0) -> list[float]:
     return [1.0 / (rank + 1) ** exponent for rank in range(count)]
 
 
-def _single_turns(tokens: _Tokens, num_programs: int, prefixes: list[list[int]],
+def _single_turns(rng: random.Random, num_programs: int, prefixes: list[list[int]],
                   question: tuple[int, int], answer: tuple[int, int], name: str) -> list[Program]:
     weights = _zipf_weights(len(prefixes))
-    return [Program(f"{name}{i}", [Turn(prefixes[tokens.zipf_index(weights)] + tokens.draw(*question),
-                                        tokens.draw(*answer))])
+    return [Program(f"{name}{i}", [Turn(rng.choices(prefixes, weights)[0] + _draw(rng, *question),
+                                        _draw(rng, *answer))])
             for i in range(num_programs)]
 
 
 def system_prompts(rng: random.Random, num_replicas: int, num_requests: int) -> list[Program]:
-    tokens = _Tokens(rng)
-    prompts = [tokens.draw(1000, 3000) for _ in range(3 * num_replicas)]
-    return _single_turns(tokens, num_requests, prompts, (20, 200), (10, 60), "user")
+    prompts = [_draw(rng, 1000, 3000) for _ in range(3 * num_replicas)]
+    return _single_turns(rng, num_requests, prompts, (20, 200), (10, 60), "user")
 
 
 def document_qa(rng: random.Random, num_replicas: int, num_requests: int) -> list[Program]:
-    tokens = _Tokens(rng)
-    documents = [tokens.draw(3000, 6000) for _ in range(2 * num_replicas)]
-    return _single_turns(tokens, num_requests, documents, (15, 60), (10, 60), "question")
+    documents = [_draw(rng, 3000, 6000) for _ in range(2 * num_replicas)]
+    return _single_turns(rng, num_requests, documents, (15, 60), (10, 60), "question")
 
 
 def multi_turn(rng: random.Random, num_replicas: int, num_requests: int) -> list[Program]:
-    tokens = _Tokens(rng)
-    header = tokens.draw(TEMPLATE_HEADER_TOKENS, TEMPLATE_HEADER_TOKENS)
+    header = _draw(rng, TEMPLATE_HEADER_TOKENS, TEMPLATE_HEADER_TOKENS)
     programs, num_turns = [], 0
     while num_turns < num_requests:
         length = min(1 + math.ceil(rng.expovariate(1 / 4)), 12)
         program = Program(f"chat{len(programs)}")
-        _grow(program, tokens, header, length, (30, 300), (20, 100), lambda: rng.expovariate(1 / 8))
+        _grow(program, rng, header, length, (30, 300), (20, 100), lambda: rng.expovariate(1 / 8))
         programs.append(program)
         num_turns += len(program.turns)
     return programs
 
 
 def agents(rng: random.Random, num_replicas: int, num_requests: int) -> list[Program]:
-    tokens = _Tokens(rng)
-    header = tokens.draw(TEMPLATE_HEADER_TOKENS, TEMPLATE_HEADER_TOKENS)
-    system = [header + tokens.draw(1000, 2000) for _ in range(4)]
+    header = _draw(rng, TEMPLATE_HEADER_TOKENS, TEMPLATE_HEADER_TOKENS)
+    system = [header + _draw(rng, 1000, 2000) for _ in range(4)]
     programs, num_turns = [], 0
     while num_turns < num_requests:
         program = Program(f"agent{len(programs)}")
-        start = rng.choice(system) + tokens.draw(100, 300)
-        _grow(program, tokens, start, rng.randint(10, 30), (50, 400), (15, 50),
+        start = rng.choice(system) + _draw(rng, 100, 300)
+        _grow(program, rng, start, rng.randint(10, 30), (50, 400), (15, 50),
               lambda: min(max(rng.lognormvariate(math.log(3), 0.6), 1.0), 10.0))
         programs.append(program)
         num_turns += len(program.turns)
     return programs
 
 
-def _grow(program: Program, tokens: _Tokens, context: list[int], num_turns: int, new_input: tuple[int, int],
+def _grow(program: Program, rng: random.Random, context: list[int], num_turns: int, new_input: tuple[int, int],
           answer: tuple[int, int], gap: Callable[[], float]) -> None:
     """Append turns, each one's prompt = context so far + new input; stop before MAX_CONTEXT."""
     for index in range(num_turns):
-        prompt = context + tokens.draw(*new_input)
-        output = tokens.draw(*answer)
+        prompt = context + _draw(rng, *new_input)
+        output = _draw(rng, *answer)
         if len(prompt) + len(output) > MAX_CONTEXT:
             return
         program.turns.append(Turn(prompt, output, gap() if index else 0.0))
