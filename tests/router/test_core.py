@@ -2,18 +2,14 @@ import gc
 
 import pytest
 
-from replica.kv_cache import AllBlocksCleared, BlockStored
+from replica.kv_cache import AllBlocksCleared
 from replica.request import Request, SamplingParams
 from replica.scheduler import SchedulerStats
 from router import FinishedRequest, PolicyConfig, Router, RoutingDecision
 
 from tests.replica.scheduler_helpers import FakeClock, make_scheduler, step
 
-from .chains import BLOCK_SIZE, chain, tokens
-
-
-def stored(block_hashes) -> BlockStored:
-    return BlockStored(list(block_hashes), None, [], BLOCK_SIZE)
+from .chains import BLOCK_SIZE, chain, stored, tokens
 
 
 def stats(num_running: int = 0, num_waiting: int = 0, num_preemptions: int = 0, pending: int = 0,
