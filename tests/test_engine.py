@@ -38,6 +38,15 @@ def token_ids(outputs) -> list[list[int]]:
     return [output.token_ids for output in outputs]
 
 
+def run(engine: EngineCore, request_id: str, prompt: list[int], params: SamplingParams, **kwargs) -> list:
+    """Adds one request and steps the engine until nothing is left: every output of every step."""
+    engine.add_request(request_id, prompt, params, **kwargs)
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    return outputs
+
+
 def test_greedy_output_is_the_known_continuation(llm):
     output = llm.generate("The capital of France is", SamplingParams(max_tokens=4, temperature=0))[0]
     assert output.text == " Paris.\n\n"
@@ -114,12 +123,8 @@ def test_chat_applies_the_template(llm):
 
 
 def test_streamed_outputs_add_up_and_carry_logprobs(llm):
-    engine = llm.engine
     prompt = llm.tokenizer.encode(PROMPTS[0])
-    engine.add_request("stream", prompt, SamplingParams(max_tokens=6, temperature=0, logprobs=True))
-    outputs = []
-    while engine.has_unfinished():
-        outputs.extend(engine.step())
+    outputs = run(llm.engine, "stream", prompt, SamplingParams(max_tokens=6, temperature=0, logprobs=True))
     assert "".join(output.new_text for output in outputs) == " Paris.\n\nThe answer"
     assert [output.finished for output in outputs] == [False] * 5 + [True]
     assert all(output.num_prompt_tokens == len(prompt) and len(output.logprobs) == 1 for output in outputs)
@@ -174,19 +179,11 @@ def test_flat_engine_args_fill_the_nested_sections():
 def test_continuum_pins_a_programs_turn_for_the_next_without_changing_a_token(llm):
     engine = make_llm(policy="continuum").engine
     first = llm.generate(PROMPTS[2], GREEDY)[0]
-
-    def run(request_id: str, prompt: list[int], **kwargs) -> list:
-        engine.add_request(request_id, prompt, GREEDY, **kwargs)
-        outputs = []
-        while engine.has_unfinished():
-            outputs += engine.step()
-        return outputs
-
-    assert [t for output in run("p/1", first.prompt_token_ids, session_id="p") for t in output.new_token_ids] == \
-        first.token_ids
+    outputs = run(engine, "p/1", first.prompt_token_ids, GREEDY, session_id="p")
+    assert [t for output in outputs for t in output.new_token_ids] == first.token_ids
     assert engine.stats().kv_usage > 0 and engine.stats().pins.pinned == 1  # nothing runs, the pin holds
     history = first.prompt_token_ids + first.token_ids + [11, 12, 13]
-    outputs = run("p/2", history, session_id="p", last_turn=True)
+    outputs = run(engine, "p/2", history, GREEDY, session_id="p", last_turn=True)
     assert [t for output in outputs for t in output.new_token_ids] == llm.generate(history, GREEDY)[0].token_ids
     computed = len(first.prompt_token_ids) + len(first.token_ids) - 1  # the last token was never fed back
     assert outputs[-1].num_cached_tokens == computed // 16 * 16

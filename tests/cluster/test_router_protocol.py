@@ -10,15 +10,9 @@ from router.actor import RouterActor, router_actor_name
 from router.messages import FinishedRequest
 from router.policy import PolicyConfig
 
+from tests.replica.scheduler_helpers import FakeClock
+
 from .fakes import BLOCK_SIZE, HASH_SEED, FakeEngineCore
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
 
 STATS = SchedulerStats(num_running=0, num_waiting=0, kv_usage=0.0, num_preemptions=0, prefix_cache_queries=0,
                        prefix_cache_hits=0)

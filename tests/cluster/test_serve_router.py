@@ -105,11 +105,12 @@ def ids(tiers) -> list[list[str]]:
     return [[replica.replica_id.unique_id for replica in tier] for tier in tiers]
 
 
-def test_the_actors_choice_comes_first_then_the_others():
-    async def test(router, actor, replicas):
-        return await router.choose_replicas(replicas, FakePendingRequest([REQUEST]))
+async def choose_for_request(router, actor, replicas):
+    return await router.choose_replicas(replicas, FakePendingRequest([REQUEST]))
 
-    tiers, actor, _ = run(test, "b")
+
+def test_the_actors_choice_comes_first_then_the_others():
+    tiers, actor, _ = run(choose_for_request, "b")
     assert ids(tiers) == [["b"], ["a", "c"]]
     assert actor.chosen == [("req-1", REQUEST.block_hashes, ["a", "b", "c"], 4, "chat-1")]
 
@@ -137,19 +138,13 @@ def test_requests_without_block_hashes_are_left_to_serve():
 
 
 def test_a_slow_actor_falls_back_to_serves_choice():
-    async def test(router, actor, replicas):
-        return await router.choose_replicas(replicas, FakePendingRequest([REQUEST]))
-
-    tiers, actor, client = run(test, None)
+    tiers, actor, client = run(choose_for_request, None)
     assert ids(tiers) == [["a", "b", "c"]]
     assert len(actor.chosen) == 1 and client.resets == 0
 
 
 def test_a_dead_actor_falls_back_and_is_looked_up_again():
-    async def test(router, actor, replicas):
-        return await router.choose_replicas(replicas, FakePendingRequest([REQUEST]))
-
-    tiers, _, client = run(test, RayActorError())
+    tiers, _, client = run(choose_for_request, RayActorError())
     assert ids(tiers) == [["a", "b", "c"]]
     assert client.resets == 1
 

@@ -34,26 +34,16 @@ def test_no_logprobs_unless_asked():
     assert run(logits_rows(1), [SamplingParams(temperature=0)])[1] is None
 
 
-def test_temperature_sampling_follows_the_distribution():
-    torch.manual_seed(0)
-    token_ids, _ = run(logits_rows(20000), [SamplingParams(temperature=1.0)] * 20000)
-    assert frequencies(token_ids) == pytest.approx(PROBS, abs=0.015)
-
-
-def test_low_temperature_sharpens():
-    torch.manual_seed(0)
-    token_ids, _ = run(logits_rows(20000), [SamplingParams(temperature=0.5)] * 20000)
-    expected = [p ** 2 / sum(q ** 2 for q in PROBS) for p in PROBS]
-    assert frequencies(token_ids) == pytest.approx(expected, abs=0.015)
-
-
 @pytest.mark.parametrize("params, expected", [
+    (SamplingParams(temperature=1.0), PROBS),
+    (SamplingParams(temperature=0.5), [p ** 2 / sum(q ** 2 for q in PROBS) for p in PROBS]),  # low: sharper
+    # top_k and top_p renormalize over what they keep
     (SamplingParams(top_k=2), [0.625, 0.375, 0.0]),
     (SamplingParams(top_p=0.7), [0.625, 0.375, 0.0]),   # 0.5 alone is short of 0.7; 0.5 + 0.3 covers it
     (SamplingParams(top_p=0.4), [1.0, 0.0, 0.0]),
     (SamplingParams(top_k=1), [1.0, 0.0, 0.0]),
 ])
-def test_top_k_and_top_p_renormalize_over_what_they_keep(params, expected):
+def test_samples_follow_the_distribution_after_temperature_top_k_and_top_p(params, expected):
     torch.manual_seed(0)
     token_ids, _ = run(logits_rows(20000), [params] * 20000)
     assert frequencies(token_ids) == pytest.approx(expected, abs=0.015)

@@ -22,11 +22,8 @@ class FakeClock:
 
 def fake_model_output(scheduler: Scheduler, output: SchedulerOutput, token_id: int = 7) -> ModelRunnerOutput:
     req_ids = list(output.num_scheduled_tokens)
-    sampled = []
-    for req_id in req_ids:
-        request = scheduler.requests[req_id]
-        sampled.append([token_id] if request.num_computed_tokens >= request.num_tokens else [])
-    return ModelRunnerOutput(req_ids, sampled)
+    requests = [scheduler.requests[req_id] for req_id in req_ids]
+    return ModelRunnerOutput(req_ids, [[token_id] if r.num_computed_tokens >= r.num_tokens else [] for r in requests])
 
 
 def step(scheduler: Scheduler, token_id: int = 7):

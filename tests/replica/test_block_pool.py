@@ -1,10 +1,18 @@
 import pytest
 
-from replica.kv_cache import AllBlocksCleared, BlockPool, BlockRemoved, BlockStored, hash_token_blocks
+from replica.kv_cache import AllBlocksCleared, BlockPool, BlockRemoved, BlockStored, KVCacheBlock, hash_token_blocks
 
 
 def free_ids(pool: BlockPool) -> list[int]:
     return [block.block_id for block in pool.free_block_queue.get_all_free_blocks()]
+
+
+def new_cached_blocks(pool: BlockPool, tokens: list[int]) -> tuple[list[KVCacheBlock], list[bytes]]:
+    """One new block per full block of tokens (block size 2), cached under its hash -> (blocks, hashes)."""
+    hashes = hash_token_blocks(tokens, 2)
+    blocks = pool.get_new_blocks(len(hashes))
+    pool.cache_full_blocks(blocks, hashes, tokens, 0, len(hashes))
+    return blocks, hashes
 
 
 def test_null_block_is_block_zero_and_never_free():
@@ -68,13 +76,9 @@ def test_cache_full_blocks_stores_hashes_and_emits_one_event_per_run():
 
 def test_a_hash_already_cached_elsewhere_is_not_cached_twice():
     pool = BlockPool(6, 2)
-    tokens = [1, 2, 3, 4]
-    hashes = hash_token_blocks(tokens, 2)
-    first = pool.get_new_blocks(2)
-    pool.cache_full_blocks(first, hashes, tokens, 0, 2)
+    first, hashes = new_cached_blocks(pool, [1, 2, 3, 4])
     pool.take_events()
-    second = pool.get_new_blocks(2)
-    pool.cache_full_blocks(second, hashes, tokens, 0, 2)
+    second, _ = new_cached_blocks(pool, [1, 2, 3, 4])
     assert [b.block_hash for b in second] == [None, None]
     assert pool.get_cached_block(hashes[0]) is first[0]
     assert pool.take_events() == []
@@ -82,10 +86,7 @@ def test_a_hash_already_cached_elsewhere_is_not_cached_twice():
 
 def test_lazy_eviction_when_a_freed_cached_block_is_reused():
     pool = BlockPool(3, 2)
-    tokens = [1, 2, 3, 4]
-    hashes = hash_token_blocks(tokens, 2)
-    blocks = pool.get_new_blocks(2)
-    pool.cache_full_blocks(blocks, hashes, tokens, 0, 2)
+    blocks, hashes = new_cached_blocks(pool, [1, 2, 3, 4])
     pool.free_blocks(reversed(blocks))
     assert pool.get_cached_block(hashes[0]) is blocks[0]  # still findable while free
     pool.take_events()
@@ -98,10 +99,7 @@ def test_lazy_eviction_when_a_freed_cached_block_is_reused():
 
 def test_reset_prefix_cache_only_when_nothing_is_in_use():
     pool = BlockPool(4, 2)
-    tokens = [1, 2]
-    hashes = hash_token_blocks(tokens, 2)
-    blocks = pool.get_new_blocks(1)
-    pool.cache_full_blocks(blocks, hashes, tokens, 0, 1)
+    blocks, hashes = new_cached_blocks(pool, [1, 2])
     pool.take_events()
     assert pool.reset_prefix_cache() is False
     assert pool.get_cached_block(hashes[0]) is blocks[0]

@@ -1,6 +1,6 @@
 """The continuum policy: a program's finished turn keeps its blocks pinned for the next turn."""
 from replica.request import Request, RequestStatus, SamplingParams
-from replica.scheduler import PinStats
+from replica.scheduler import PinStats, Scheduler
 from replica.scheduler.pins import ToolGapEstimator
 
 from .scheduler_helpers import FakeClock, make_scheduler, step
@@ -8,9 +8,10 @@ from .scheduler_helpers import FakeClock, make_scheduler, step
 BLOCK_SIZE = 4
 
 
-def continuum(clock: FakeClock, num_blocks: int = 20, **config):
-    return make_scheduler(num_blocks=num_blocks, block_size=BLOCK_SIZE, clock=clock, policy="continuum",
-                          pin_ttl_default_s=2.0, **config)
+def continuum(num_blocks: int = 20, **config) -> tuple[FakeClock, Scheduler]:
+    clock = FakeClock()
+    return clock, make_scheduler(num_blocks=num_blocks, block_size=BLOCK_SIZE, clock=clock, policy="continuum",
+                                 pin_ttl_default_s=2.0, **config)
 
 
 def turn(request_id: str, prompt: list[int], session_id: str | None = "p", max_tokens: int = 1, **kwargs) -> Request:
@@ -18,10 +19,13 @@ def turn(request_id: str, prompt: list[int], session_id: str | None = "p", max_t
                    session_id=session_id, **kwargs)
 
 
-def run_to_completion(scheduler, token_id: int = 7) -> list[str]:
+def run_to_completion(scheduler, *requests: Request) -> list[str]:
+    """Adds the requests, then steps until nothing is left: the ids in the order they finished."""
+    for request in requests:
+        scheduler.add_request(request)
     finished = []
     while scheduler.has_unfinished_requests():
-        _, outputs = step(scheduler, token_id)
+        _, outputs = step(scheduler)
         finished += [output.request_id for output in outputs if output.finished]
     return finished
 
@@ -31,10 +35,8 @@ def num_free(scheduler) -> int:
 
 
 def test_a_finished_turn_stays_pinned_until_its_ttl():
-    clock = FakeClock()
-    scheduler = continuum(clock)
-    scheduler.add_request(turn("p/1", list(range(8))))
-    assert run_to_completion(scheduler) == ["p/1"]
+    clock, scheduler = continuum()
+    assert run_to_completion(scheduler, turn("p/1", list(range(8)))) == ["p/1"]
     assert num_free(scheduler) == 17  # 19 usable, 2 pinned
     assert scheduler.make_stats().pins == PinStats(num_pinned_blocks=2, pinned=1)
     clock.now = 1.9
@@ -48,17 +50,14 @@ def test_a_finished_turn_stays_pinned_until_its_ttl():
 
 def test_fcfs_frees_a_finished_turn_of_a_program():
     scheduler = make_scheduler(num_blocks=20, block_size=BLOCK_SIZE, policy="fcfs")
-    scheduler.add_request(turn("p/1", list(range(8))))
-    run_to_completion(scheduler)
+    run_to_completion(scheduler, turn("p/1", list(range(8))))
     assert num_free(scheduler) == 19
     assert scheduler.make_stats().pins == PinStats()
 
 
 def test_the_next_turn_hits_its_pinned_history_and_its_own_pin_replaces_the_first():
-    clock = FakeClock()
-    scheduler = continuum(clock)
-    scheduler.add_request(turn("p/1", list(range(8))))
-    run_to_completion(scheduler)
+    clock, scheduler = continuum()
+    run_to_completion(scheduler, turn("p/1", list(range(8))))
     clock.now = 1.5
     scheduler.add_request(turn("p/2", list(range(8)) + [7, 50, 51, 52]))  # history, answer, tool result
     output, _ = step(scheduler)
@@ -76,14 +75,10 @@ def test_the_next_turn_hits_its_pinned_history_and_its_own_pin_replaces_the_firs
 
 
 def test_a_last_turn_and_an_abort_end_the_programs_pin():
-    clock = FakeClock()
-    scheduler = continuum(clock)
-    for session in "pq":
-        scheduler.add_request(turn(f"{session}/1", [ord(session)] * 8, session_id=session))
-    run_to_completion(scheduler)
+    _, scheduler = continuum()
+    run_to_completion(scheduler, *(turn(f"{session}/1", [ord(session)] * 8, session_id=session) for session in "pq"))
     assert num_free(scheduler) == 15
-    scheduler.add_request(turn("p/2", [ord("p")] * 8 + [7, 1], last_turn=True))
-    run_to_completion(scheduler)
+    run_to_completion(scheduler, turn("p/2", [ord("p")] * 8 + [7, 1], last_turn=True))
     assert num_free(scheduler) == 17
     scheduler.add_request(turn("q/2", [ord("q")] * 8 + [7, 1], session_id="q"))
     scheduler.finish_requests("q/2", RequestStatus.FINISHED_ABORTED)
@@ -95,13 +90,11 @@ def pin_two_programs(clock: FakeClock, scheduler) -> None:
     """p's pin expires at 2.0 s, q's at 3.0 s; 2 blocks each."""
     for start, session in ((0.0, "p"), (1.0, "q")):
         clock.now = start
-        scheduler.add_request(turn(f"{session}/1", [ord(session)] * 8, session_id=session))
-        run_to_completion(scheduler)
+        run_to_completion(scheduler, turn(f"{session}/1", [ord(session)] * 8, session_id=session))
 
 
 def test_with_nothing_running_an_admission_takes_the_pins_with_the_least_time_left():
-    clock = FakeClock()
-    scheduler = continuum(clock, num_blocks=10)
+    clock, scheduler = continuum(num_blocks=10)
     pin_two_programs(clock, scheduler)
     assert num_free(scheduler) == 5
     scheduler.add_request(turn("r", list(range(100, 124)), session_id=None))  # 6 blocks
@@ -112,8 +105,7 @@ def test_with_nothing_running_an_admission_takes_the_pins_with_the_least_time_le
 
 
 def test_while_a_request_runs_an_admission_waits_for_pins_to_expire():
-    clock = FakeClock()
-    scheduler = continuum(clock, num_blocks=12)
+    clock, scheduler = continuum(num_blocks=12)
     pin_two_programs(clock, scheduler)
     scheduler.add_request(turn("running", list(range(200, 208)), session_id=None, max_tokens=50))  # 2 blocks
     step(scheduler)
@@ -129,8 +121,7 @@ def test_while_a_request_runs_an_admission_waits_for_pins_to_expire():
 
 
 def test_pins_are_released_before_a_running_request_is_preempted():
-    clock = FakeClock()
-    scheduler = continuum(clock, num_blocks=10)
+    _, scheduler = continuum(num_blocks=10)
     scheduler.add_request(turn("r", list(range(100, 115)), session_id=None, max_tokens=20))  # 4 blocks
     step(scheduler)
     scheduler.add_request(turn("p/1", [ord("p")] * 16))
@@ -147,10 +138,8 @@ def test_pins_are_released_before_a_running_request_is_preempted():
 
 
 def test_a_victim_is_chosen_among_programs_without_a_pin():
-    clock = FakeClock()
-    scheduler = continuum(clock, num_blocks=7)
-    scheduler.add_request(turn("p/1", [ord("p")] * 8))
-    run_to_completion(scheduler)
+    _, scheduler = continuum(num_blocks=7)
+    run_to_completion(scheduler, turn("p/1", [ord("p")] * 8))
     scheduler.add_request(turn("b", list(range(100, 109)), session_id=None, max_tokens=10))  # 3 blocks
     step(scheduler)
     scheduler.add_request(turn("p/2", [ord("p")] * 8 + [7, 1, 2, 3], max_tokens=10))  # 1 block beyond the pin
@@ -164,10 +153,8 @@ def test_a_victim_is_chosen_among_programs_without_a_pin():
 
 
 def test_waiting_turns_of_pinned_programs_are_admitted_first():
-    clock = FakeClock()
-    scheduler = continuum(clock, max_num_seqs=1)
-    scheduler.add_request(turn("p/1", [ord("p")] * 8))
-    run_to_completion(scheduler)
+    _, scheduler = continuum(max_num_seqs=1)
+    run_to_completion(scheduler, turn("p/1", [ord("p")] * 8))
     scheduler.add_request(turn("x", list(range(100, 110)), session_id=None))
     scheduler.add_request(turn("q/1", [ord("q")] * 8, session_id="q"))
     scheduler.add_request(turn("p/2", [ord("p")] * 8 + [7, 1]))
@@ -175,9 +162,8 @@ def test_waiting_turns_of_pinned_programs_are_admitted_first():
 
 
 def test_resetting_the_prefix_cache_ends_every_pin():
-    scheduler = continuum(FakeClock())
-    scheduler.add_request(turn("p/1", list(range(8))))
-    run_to_completion(scheduler)
+    _, scheduler = continuum()
+    run_to_completion(scheduler, turn("p/1", list(range(8))))
     assert scheduler.kv_cache_manager.reset_prefix_cache() is False
     assert scheduler.reset_prefix_cache() is True
     assert num_free(scheduler) == 19 and len(scheduler.pins) == 0
@@ -200,10 +186,8 @@ def test_the_tool_gap_estimate_is_a_quantile_of_the_programs_own_gaps_then_every
 
 
 def test_a_request_held_back_by_pins_for_pin_ttl_max_s_takes_them():
-    clock = FakeClock()
-    scheduler = continuum(clock, num_blocks=12, pin_ttl_max_s=3.0)
-    scheduler.add_request(turn("p/1", [ord("p")] * 8))
-    run_to_completion(scheduler)  # pinned until 2.0
+    clock, scheduler = continuum(num_blocks=12, pin_ttl_max_s=3.0)
+    run_to_completion(scheduler, turn("p/1", [ord("p")] * 8))  # pinned until 2.0
     scheduler.add_request(turn("running", list(range(200, 208)), session_id=None, max_tokens=50))  # 2 blocks
     step(scheduler)
     clock.now = 0.2

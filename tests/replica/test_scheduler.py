@@ -184,7 +184,7 @@ def test_admission_failure_stops_admission(make_request):
     assert [r.request_id for r in scheduler.waiting] == ["big", "small"]
 
 
-def test_stop_conditions_and_finish_reasons(make_request):
+def test_stop_conditions_and_finish_reasons():
     scheduler = make_scheduler()
     scheduler.add_request(Request("eos", [1, 2], SamplingParams(max_tokens=5), eos_token_id=7))
     scheduler.add_request(Request("ignore", [1, 2], SamplingParams(max_tokens=2, ignore_eos=True), eos_token_id=7))

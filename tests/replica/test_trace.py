@@ -5,7 +5,7 @@ from replica.scheduler.trace import TRACE_ENV
 from .scheduler_helpers import make_scheduler, step
 
 
-def test_trace_is_off_by_default(monkeypatch, make_request):
+def test_trace_is_off_by_default(monkeypatch):
     monkeypatch.delenv(TRACE_ENV, raising=False)
     assert make_scheduler()._trace is None
 

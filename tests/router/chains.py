@@ -1,5 +1,5 @@
 """Block-hash chains built the way replicas build them, from readable block contents."""
-from replica.kv_cache import BlockHash, hash_token_blocks
+from replica.kv_cache import BlockHash, BlockStored, hash_token_blocks
 
 BLOCK_SIZE = 4
 
@@ -12,3 +12,8 @@ def tokens(*block_keys: int) -> list[int]:
 def chain(*block_keys: int, salt: str | None = None, seed: int = 0) -> list[BlockHash]:
     """chain(1, 2, 3) and chain(1, 2, 9) share their first two hashes and then diverge."""
     return hash_token_blocks(tokens(*block_keys), BLOCK_SIZE, cache_salt=salt, seed=seed)
+
+
+def stored(block_hashes) -> BlockStored:
+    """The event a replica publishes when it caches these blocks."""
+    return BlockStored(list(block_hashes), None, [], BLOCK_SIZE)

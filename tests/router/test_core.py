@@ -2,23 +2,14 @@ import gc
 
 import pytest
 
-from replica.kv_cache import AllBlocksCleared, BlockStored
+from replica.kv_cache import AllBlocksCleared
+from replica.request import Request, SamplingParams
 from replica.scheduler import SchedulerStats
 from router import FinishedRequest, PolicyConfig, Router, RoutingDecision
 
-from .chains import BLOCK_SIZE, chain, tokens
+from tests.replica.scheduler_helpers import FakeClock, make_scheduler, step
 
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def stored(block_hashes) -> BlockStored:
-    return BlockStored(list(block_hashes), None, [], BLOCK_SIZE)
+from .chains import BLOCK_SIZE, chain, stored, tokens
 
 
 def stats(num_running: int = 0, num_waiting: int = 0, num_preemptions: int = 0, pending: int = 0,
@@ -38,17 +29,6 @@ def make_router(clock: FakeClock | None = None, seed: int = 0, **config) -> Rout
 
 def publish(router: Router, replica_id: str, seq: int, events=(), finished=(), **load) -> bool:
     return router.publish(replica_id, seq, list(events), stats(**load), list(finished))
-
-
-class Requests:
-    """Distinct request ids."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    def __call__(self) -> str:
-        self.count += 1
-        return f"r{self.count}"
 
 
 def test_batches_apply_in_sequence_from_one():
@@ -158,9 +138,8 @@ def test_a_shared_first_block_does_not_pin_light_load_to_one_replica():
     router = make_router()
     for replica_id in "ab":
         router.resync(replica_id, 1, [], stats(), [])
-    new_request = Requests()
     # every request starts with the same system-prompt block, then its own text
-    decisions = [router.choose(new_request(), chain(1, 100 + i, 200 + i), ["a", "b"]) for i in range(10)]
+    decisions = [router.choose(f"r{i + 1}", chain(1, 100 + i, 200 + i), ["a", "b"]) for i in range(10)]
     assert [decision.replica_id for decision in decisions].count("a") == 5
     assert [decision.matched_blocks for decision in decisions] == [0, 0] + [1] * 8
 
@@ -395,9 +374,6 @@ def test_the_index_holds_no_container_per_cached_block():
 
 
 def test_a_restarted_router_learns_a_pinned_history_from_the_resync_and_sends_the_next_turn_there():
-    from replica.request import Request, SamplingParams
-    from tests.replica.scheduler_helpers import make_scheduler, step
-
     clock = FakeClock()
     replicas = {replica_id: make_scheduler(num_blocks=64, block_size=BLOCK_SIZE, policy="continuum", clock=clock)
                 for replica_id in "ab"}

@@ -2,24 +2,25 @@ import random
 
 import pytest
 
-from replica.kv_cache import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheManager
+from replica.kv_cache import AllBlocksCleared, BlockRemoved, KVCacheManager
 from replica.request import Request, SamplingParams
 from router import BlockIndex
 from router.index import checkpoints
 
-from .chains import BLOCK_SIZE, chain, tokens
+from .chains import BLOCK_SIZE, chain, stored, tokens
 
 
-def stored(block_hashes) -> BlockStored:
-    return BlockStored(list(block_hashes), None, [], BLOCK_SIZE)
+def index_with(**held) -> BlockIndex:
+    """An index to which each replica (keyword) has reported storing its chain."""
+    index = BlockIndex()
+    for replica_id, block_hashes in held.items():
+        index.apply(replica_id, [stored(block_hashes)])
+    return index
 
 
 def test_match_counts_leading_blocks_per_replica():
-    index = BlockIndex()
     full = chain(1, 2, 3, 4)
-    index.apply("a", [stored(full[:3])])
-    index.apply("b", [stored(full[:1])])
-    index.apply("c", [stored(full[1:])])  # holds no first block: no leading match
+    index = index_with(a=full[:3], b=full[:1], c=full[1:])  # c holds no first block: no leading match
     assert index.match(full) == {"a": 3, "b": 1}
     assert index.match(full[:2]) == {"a": 2, "b": 1}
     assert index.match(chain(9, 2, 3, 4)) == {}
@@ -27,9 +28,7 @@ def test_match_counts_leading_blocks_per_replica():
 
 
 def test_chains_diverging_midway_match_up_to_the_divergence():
-    index = BlockIndex()
-    index.apply("a", [stored(chain(1, 2, 3, 4))])
-    index.apply("b", [stored(chain(1, 2, 7, 8))])
+    index = index_with(a=chain(1, 2, 3, 4), b=chain(1, 2, 7, 8))
     assert index.match(chain(1, 2, 3, 4, 5)) == {"a": 4, "b": 2}
     assert index.match(chain(1, 2, 7)) == {"a": 2, "b": 3}
     # Same block contents after a different parent hash to a different chain.
@@ -37,18 +36,15 @@ def test_chains_diverging_midway_match_up_to_the_divergence():
 
 
 def test_cache_salt_separates_chains():
-    index = BlockIndex()
-    index.apply("a", [stored(chain(1, 2, salt="tenant-1"))])
+    index = index_with(a=chain(1, 2, salt="tenant-1"))
     assert index.match(chain(1, 2, salt="tenant-1")) == {"a": 2}
     assert index.match(chain(1, 2, salt="tenant-2")) == {}
     assert index.match(chain(1, 2)) == {}
 
 
 def test_removed_block_cuts_the_match_there():
-    index = BlockIndex()
     full = chain(1, 2, 3, 4)
-    index.apply("a", [stored(full)])
-    index.apply("b", [stored(full)])
+    index = index_with(a=full, b=full)
     index.apply("a", [BlockRemoved([full[1]])])
     assert index.match(full) == {"a": 1, "b": 4}
     assert (index.num_blocks("a"), index.num_blocks("b")) == (3, 4)
@@ -64,17 +60,14 @@ def test_events_apply_in_order():
 
 
 def test_removing_a_block_not_held_is_ignored():
-    index = BlockIndex()
-    index.apply("a", [stored(chain(1))])
+    index = index_with(a=chain(1))
     index.apply("a", [BlockRemoved(chain(2))])
     assert index.num_blocks("a") == 1
 
 
 def test_all_blocks_cleared_empties_only_that_replica():
-    index = BlockIndex()
     full = chain(1, 2)
-    index.apply("a", [stored(full)])
-    index.apply("b", [stored(full)])
+    index = index_with(a=full, b=full)
     index.apply("a", [AllBlocksCleared(), stored(chain(5))])
     assert index.match(full) == {"b": 2}
     assert index.match(chain(5)) == {"a": 1}
@@ -82,9 +75,7 @@ def test_all_blocks_cleared_empties_only_that_replica():
 
 
 def test_resync_replaces_a_replicas_blocks():
-    index = BlockIndex()
-    index.apply("a", [stored(chain(1, 2, 3))])
-    index.apply("b", [stored(chain(1, 2, 3))])
+    index = index_with(a=chain(1, 2, 3), b=chain(1, 2, 3))
     index.resync("a", chain(7, 8))
     assert index.match(chain(1, 2, 3)) == {"b": 3}
     assert index.match(chain(7, 8)) == {"a": 2}
@@ -100,10 +91,8 @@ def test_events_for_an_unknown_replica_create_it():
 
 
 def test_remove_replica_forgets_it():
-    index = BlockIndex()
     full = chain(1, 2)
-    index.apply("a", [stored(full)])
-    index.apply("b", [stored(full[:1])])
+    index = index_with(a=full, b=full[:1])
     index.remove_replica("a")
     index.remove_replica("never-seen")
     assert index.match(full) == {"b": 1}
@@ -181,9 +170,8 @@ def test_bookings_count_until_unbooked_and_never_hide_stored_blocks():
 
 
 def test_a_booking_from_where_the_replica_match_ends_leaves_the_held_blocks_out():
-    index = BlockIndex()
     full = chain(*range(40))
-    index.apply("a", [stored(full[:10])])
+    index = index_with(a=full[:10])
     index.book("a", full, start=10)
     assert index.match(full) == {"a": 40}
     assert index.match(chain(*range(30), 99)) == {"a": 24}  # checkpoint 23 booked, stored up to 10
