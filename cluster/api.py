@@ -20,8 +20,9 @@ Body = TypeVar("Body", CompletionRequest, ChatCompletionRequest)
 
 
 def build_api(serving: OpenAIServing, *, render_metrics: Callable[[], Awaitable[bytes]],
-              api_key: str | None = None) -> FastAPI:
-    """The FastAPI app. With api_key set, /v1 routes want "Authorization: Bearer <api_key>"."""
+              api_key: str | None = None, max_body_bytes: int | None = None) -> FastAPI:
+    """The FastAPI app. With api_key set, /v1 routes want "Authorization: Bearer <api_key>"; with
+    max_body_bytes set, larger request bodies get 413."""
     app = FastAPI(title="prefixserve", openapi_url=None)
 
     async def authorize(request: Request) -> None:
@@ -36,12 +37,14 @@ def build_api(serving: OpenAIServing, *, render_metrics: Callable[[], Awaitable[
     @app.post("/v1/completions", dependencies=v1)
     async def completions(request: Request) -> Response:
         arrival_time = time.monotonic()
-        return await serving.create_completion(await _parse(request, CompletionRequest), arrival_time)
+        return await serving.create_completion(await _parse(request, CompletionRequest, max_body_bytes),
+                                               arrival_time)
 
     @app.post("/v1/chat/completions", dependencies=v1)
     async def chat_completions(request: Request) -> Response:
         arrival_time = time.monotonic()
-        return await serving.create_chat_completion(await _parse(request, ChatCompletionRequest), arrival_time)
+        return await serving.create_chat_completion(await _parse(request, ChatCompletionRequest, max_body_bytes),
+                                                    arrival_time)
 
     @app.get("/v1/models", dependencies=v1)
     async def models() -> JSONResponse:
@@ -59,9 +62,9 @@ def build_api(serving: OpenAIServing, *, render_metrics: Callable[[], Awaitable[
     return app
 
 
-async def _parse(request: Request, model: type[Body]) -> Body:
+async def _parse(request: Request, model: type[Body], max_body_bytes: int | None) -> Body:
     try:
-        body = model.model_validate_json(await request.body())
+        body = model.model_validate_json(await _read_body(request, max_body_bytes))
     except pydantic.ValidationError as exc:
         raise APIError(describe(exc)) from None
     if body.session_id is None:
@@ -69,10 +72,27 @@ async def _parse(request: Request, model: type[Body]) -> Body:
     return body
 
 
+async def _read_body(request: Request, limit: int | None) -> bytes:
+    """The body, read no further than limit bytes."""
+    declared = request.headers.get("content-length", "")
+    if limit is not None and declared.isdigit() and int(declared) > limit:
+        raise _body_too_large(limit)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if limit is not None and len(body) > limit:
+            raise _body_too_large(limit)
+    return bytes(body)
+
+
+def _body_too_large(limit: int) -> APIError:
+    return APIError(f"The request body is larger than {limit} bytes.", status_code=413, code="request_too_large")
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status_code)
+        return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:

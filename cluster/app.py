@@ -3,7 +3,7 @@ from typing import Any
 
 from ray import serve
 from ray.serve import Application
-from ray.serve.config import RequestRouterConfig
+from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
 from cluster.config import ClusterConfig
 from cluster.engine_replica import EngineReplica
@@ -11,9 +11,8 @@ from cluster.ingress import Ingress
 from router.serve_router import PrefixAwareRequestRouter
 
 APP_NAME = "prefixserve"
-# Each engine queues and batches on its own; Serve's cap only sheds load well past that.
-ENGINE_MAX_ONGOING_REQUESTS = 1024
 INGRESS_MAX_ONGOING_REQUESTS = 4096
+RETRY_AFTER_S = 1.0  # what a 429 tells the client to wait
 ROUTING_STATS_PERIOD_S = 2.0
 
 
@@ -36,7 +35,9 @@ def engine_options(config: ClusterConfig) -> dict[str, Any]:
                                "block_size": config.engine.cache.block_size, "timeout_s": config.router_timeout_s},
         request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)
     options = {
-        "max_ongoing_requests": ENGINE_MAX_ONGOING_REQUESTS,
+        "max_ongoing_requests": config.engine.scheduler.max_num_seqs + config.max_waiting_requests,
+        "max_queued_requests": config.max_queued_requests,
+        "backpressure_config": BackpressureConfig(status_code=429, retry_after_s=RETRY_AFTER_S),
         "ray_actor_options": {"num_cpus": config.replica_num_cpus, "num_gpus": config.replica_num_gpus},
         "request_router_config": router_config,
     }

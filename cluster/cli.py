@@ -32,6 +32,13 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--replica-gpus", type=float, default=0.0, help="GPUs reserved per engine replica (default: %(default)s)")
     cluster.add_argument("--routing-policy", choices=["prefix", "round_robin", "least_loaded"], default="prefix",
                          help="how requests are spread over the replicas (default: %(default)s)")
+    cluster.add_argument("--max-waiting-requests", type=int, default=256,
+                         help="requests a replica takes beyond --max-num-seqs; more wait in the ingress "
+                              "(default: %(default)s)")
+    cluster.add_argument("--max-queued-requests", type=int, default=1024,
+                         help="requests the ingress holds while no replica has room; more get 429 (default: %(default)s)")
+    cluster.add_argument("--max-request-body-bytes", type=int, default=4 * 2**20,
+                         help="larger request bodies get 413 (default: %(default)s)")
     cluster.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes "
                                            "(default: $PREFIXSERVE_API_KEY if set)")
 
@@ -80,7 +87,9 @@ def config_from_args(args: argparse.Namespace):
                        "initial_replicas": min(max(args.replicas, min_replicas), max_replicas)}
     return ClusterConfig(engine=engine, num_replicas=args.replicas, autoscaling=autoscaling,
                          routing=args.routing_policy, api_key=args.api_key or os.environ.get(API_KEY_ENV),
-                         replica_num_cpus=args.replica_cpus, replica_num_gpus=args.replica_gpus)
+                         replica_num_cpus=args.replica_cpus, replica_num_gpus=args.replica_gpus,
+                         max_waiting_requests=args.max_waiting_requests, max_queued_requests=args.max_queued_requests,
+                         max_request_body_bytes=args.max_request_body_bytes)
 
 
 def serve_until_interrupted(config, *, address: str | None, host: str, port: int) -> None:

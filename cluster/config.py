@@ -23,6 +23,12 @@ class ClusterConfig(pydantic.BaseModel):
     replica_num_gpus: float = pydantic.Field(0.0, ge=0)
     # How long a request waits for the router actor before Serve picks its replica instead.
     router_timeout_s: float = pydantic.Field(0.2, gt=0)
+    # Requests an engine replica takes beyond its running set (max_num_seqs); more wait in the ingress.
+    max_waiting_requests: int = pydantic.Field(256, ge=0)
+    # Requests the ingress holds while no engine replica has room; more get 429 with Retry-After.
+    max_queued_requests: int = pydantic.Field(1024, ge=1)
+    # Larger request bodies get 413.
+    max_request_body_bytes: int = pydantic.Field(4 * 2**20, ge=1)
 
     @property
     def routing_config(self) -> PolicyConfig:

@@ -5,12 +5,13 @@ from collections.abc import AsyncGenerator
 
 from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
+from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from cluster.api import build_api
 from cluster.config import ClusterConfig
 from cluster.metrics import ServingMetrics
-from cluster.serving import OpenAIServing
+from cluster.serving import EnginesBusy, OpenAIServing
 from replica.async_engine import EngineOutput, EngineRequest
 from replica.executor.checkpoint import load_checkpoint
 from router.actor import RouterClient
@@ -27,16 +28,19 @@ class ServeEngineClient:
         self._handle = handle.options(stream=True)
 
     async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
-        responses = self._handle.generate.remote(request)
-        finished = False
+        responses = None
         try:
+            responses = self._handle.generate.remote(request)
             async for item in responses:
                 yield item
-            finished = True
+            responses = None  # finished: nothing to cancel
         except RayTaskError as exc:
             raise exc.cause from None  # the engine's own exception, without the remote traceback
+        except BackPressureError as exc:  # the engine deployment's max_queued_requests, counted in this process
+            responses = None  # never sent; cancelling it would raise this again
+            raise EnginesBusy(exc.retry_after_s) from None
         finally:
-            if not finished:
+            if responses is not None:
                 responses.cancel()  # also when the client went away: the replica aborts the request
 
 
@@ -49,9 +53,11 @@ class Ingress:
         self._metrics = ServingMetrics()
         self._serving = OpenAIServing(ServeEngineClient(engine), checkpoint.tokenizer, model, self._metrics)
         self._api_key = config.resolved_api_key()
+        self._max_body_bytes = config.max_request_body_bytes
 
     def __serve_build_asgi_app__(self):
-        return build_api(self._serving, render_metrics=self._render_metrics, api_key=self._api_key)
+        return build_api(self._serving, render_metrics=self._render_metrics, api_key=self._api_key,
+                         max_body_bytes=self._max_body_bytes)
 
     async def _render_metrics(self) -> bytes:
         try:

@@ -16,13 +16,14 @@ class APIError(Exception):
     """A request the server refuses, sent as OpenAI's {"error": {...}} body with a 4xx/5xx status."""
 
     def __init__(self, message: str, *, status_code: int = 400, type: str = "invalid_request_error",
-                 code: str | None = None, param: str | None = None):
+                 code: str | None = None, param: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.message = message
         self.status_code = status_code
         self.type = type
         self.code = code
         self.param = param
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

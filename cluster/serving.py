@@ -6,6 +6,7 @@ caches) and hands token ids and hashes to an engine client. Ray-free: the Serve 
 client that calls the engine deployment; tests plug in a fake.
 """
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -27,9 +28,18 @@ logger = logging.getLogger("ray.serve.prefixserve.serving")
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 
 
+class EnginesBusy(Exception):
+    """No engine replica has room, and the ingress's queue for them is full."""
+
+    def __init__(self, retry_after_s: float):
+        super().__init__(f"retry after {retry_after_s} s")
+        self.retry_after_s = retry_after_s
+
+
 class EngineClient(Protocol):
     def generate(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
-        """An empty output naming the replica serving the request, then its outputs up to a finished one."""
+        """An empty output naming the replica serving the request, then its outputs up to a finished one;
+        EnginesBusy instead of the first when there is no room for it."""
 
 
 class Tokenizer(Protocol):
@@ -101,7 +111,12 @@ class OpenAIServing:
                                            seed=self.model.hash_seed),
             params=params, cache_salt=body.cache_salt, session_id=body.session_id, last_turn=body.last_turn)
         outputs = self.engine.generate(request)
-        replica_id = (await anext(outputs)).replica_id
+        try:
+            replica_id = (await anext(outputs)).replica_id
+        except EnginesBusy as exc:
+            raise APIError("The server has too many requests waiting; retry later.", status_code=429,
+                           type="rate_limit_error", code="server_overloaded",
+                           headers={"Retry-After": str(math.ceil(exc.retry_after_s))}) from None
         progress = _Progress(RequestTracker(self.metrics, replica_id, arrival_time))
         headers = {REPLICA_HEADER: replica_id}
         if body.stream:

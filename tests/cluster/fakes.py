@@ -1,4 +1,5 @@
 """Stand-ins for the engine, its client and the tokenizer, so the Serve glue is tested without a model."""
+from cluster.serving import EnginesBusy
 from replica.async_engine import EngineOutput, EngineRequest
 from replica.kv_cache import BlockStored, hash_token_blocks
 from replica.scheduler import SchedulerStats
@@ -97,15 +98,18 @@ class FakeEngineCore:
 class FakeEngineClient:
     """The ingress's view of the engine deployment: an output naming the replica, then a FakeEngineCore's."""
 
-    def __init__(self, replica_id: str = "replica-a", *, error: Exception | None = None):
+    def __init__(self, replica_id: str = "replica-a", *, error: Exception | None = None, busy: bool = False):
         self.replica_id = replica_id
         self.error = error
+        self.busy = busy  # no room for another request: EnginesBusy instead of the opening output
         self.requests: list[EngineRequest] = []
         self.abandoned: list[str] = []  # requests whose stream was closed before they finished
 
     async def generate(self, request: EngineRequest):
         self.requests.append(request)
         core = FakeEngineCore()
+        if self.busy:
+            raise EnginesBusy(retry_after_s=0.5)
         core.add_request(request.request_id, request.prompt_token_ids, request.params)
         yield EngineOutput(request.request_id, replica_id=self.replica_id)
         try:

@@ -24,14 +24,14 @@ CHAT_PROMPT = "system: Be brief.\nuser: Hi\nassistant: "
 
 
 def make_app(engine: FakeEngineClient | None = None, *, api_key: str | None = None,
-             snapshot: RouterSnapshot | None = None):
+             snapshot: RouterSnapshot | None = None, max_body_bytes: int | None = None):
     serving = OpenAIServing(engine or FakeEngineClient(), FakeTokenizer(),
                             ModelInfo(MODEL, MAX_MODEL_LEN, VOCAB_SIZE, BLOCK_SIZE, HASH_SEED), ServingMetrics())
 
     async def render_metrics() -> bytes:
         return serving.metrics.render(snapshot)
 
-    return build_api(serving, render_metrics=render_metrics, api_key=api_key)
+    return build_api(serving, render_metrics=render_metrics, api_key=api_key, max_body_bytes=max_body_bytes)
 
 
 def http_client(app) -> httpx.AsyncClient:
@@ -167,6 +167,32 @@ def test_engine_failure_mid_stream_is_an_error_event_then_done():
     assert response.status_code == 200
     assert response.text == ('data: {"error": {"message": "the engine refused it", "type": "invalid_request_error", '
                              '"param": null, "code": null}}\n\ndata: [DONE]\n\n')
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_no_room_in_any_engine_is_429_with_retry_after(stream):
+    response = request(make_app(FakeEngineClient(busy=True)), "POST", "/v1/completions",
+                       json={"model": MODEL, "prompt": "hello", "stream": stream})
+    assert (response.status_code, response.headers["retry-after"]) == (429, "1")
+    assert response.json() == {"error": {
+        "message": "The server has too many requests waiting; retry later.", "type": "rate_limit_error",
+        "param": None, "code": "server_overloaded"}}
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_read_whole():
+    app = make_app(max_body_bytes=64)
+    body = json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 1})
+    assert request(app, "POST", "/v1/completions", content=body).status_code == 200
+    too_long = json.dumps({"model": MODEL, "prompt": "hello " * 20, "max_tokens": 1})
+
+    async def chunked():  # no content-length: the limit is counted as the body streams in
+        yield too_long.encode()
+
+    for content in (too_long, chunked()):
+        response = request(app, "POST", "/v1/completions", content=content)
+        assert response.status_code == 413
+        assert error_of(response) == {"message": "The request body is larger than 64 bytes.",
+                                      "type": "invalid_request_error", "param": None, "code": "request_too_large"}
 
 
 def test_closing_a_stream_early_abandons_the_engine_stream():

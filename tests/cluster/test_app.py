@@ -1,10 +1,18 @@
-"""build_app (the Serve application builder the Helm chart names) and the engine deployment's options."""
+"""build_app (the Serve application builder the Helm chart names), the engine deployment's options and the
+ingress's client of it."""
+import asyncio
+from types import SimpleNamespace
+
 import pydantic
 import pytest
 from ray.serve import Application
+from ray.serve.config import BackpressureConfig
+from ray.serve.exceptions import BackPressureError
 
 from cluster.app import build_app, engine_options
 from cluster.config import ClusterConfig
+from cluster.ingress import ServeEngineClient
+from cluster.serving import EnginesBusy
 from router.serve_router import PrefixAwareRequestRouter
 
 
@@ -37,3 +45,35 @@ def test_autoscaling_replaces_the_fixed_replica_count():
     assert "num_replicas" not in options
     assert options["autoscaling_config"] == config.autoscaling.to_serve_config()
     assert options["autoscaling_config"]["policy"]["policy_function"] == "cluster.autoscaling:preemption_policy"
+
+
+def test_engine_deployment_bounds_what_each_replica_and_the_ingress_hold():
+    options = engine_options(ClusterConfig(engine={"max_num_seqs": 8}, max_waiting_requests=4, max_queued_requests=16))
+    assert (options["max_ongoing_requests"], options["max_queued_requests"]) == (8 + 4, 16)
+    assert options["backpressure_config"] == BackpressureConfig(status_code=429, retry_after_s=1.0)
+
+
+def queue_full() -> BackPressureError:
+    return BackPressureError(num_queued_requests=16, max_queued_requests=16, status_code=429, retry_after_s=1.0)
+
+
+class FullQueue:
+    """What the engine handle streams once the ingress holds max_queued_requests already: the error, again
+    on cancel()."""
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        raise queue_full()
+
+    def cancel(self) -> None:
+        raise queue_full()
+
+
+def test_serves_backpressure_reaches_the_ingress_as_engines_busy():
+    handle = SimpleNamespace(options=lambda stream: SimpleNamespace(generate=SimpleNamespace(
+        remote=lambda request: FullQueue())))
+    with pytest.raises(EnginesBusy) as busy:
+        asyncio.run(anext(ServeEngineClient(handle).generate(None)))
+    assert busy.value.retry_after_s == 1.0

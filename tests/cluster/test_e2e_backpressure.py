@@ -1,0 +1,68 @@
+"""Backpressure on the real app: one engine replica with room for one request, an ingress queue of one.
+
+Requests past both get 429 with Retry-After from Serve's max_queued_requests, and a body past the limit
+gets 413; the accepted ones complete and leave no KV block behind.
+"""
+import asyncio
+import os
+import time
+
+import httpx
+import pytest
+import ray
+from ray import serve
+
+from cluster.app import APP_NAME, build
+from cluster.config import ClusterConfig
+from cluster.local_ray import init_local_ray
+
+from .test_e2e import MODEL, free_port, metric_values
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+CONFIG = ClusterConfig(engine={"num_kv_blocks": 64, "max_model_len": 256, "max_num_seqs": 1}, num_replicas=1,
+                       max_waiting_requests=0, max_queued_requests=1, max_request_body_bytes=2048)
+
+
+@pytest.fixture(scope="module")
+def base_url():
+    port = free_port()
+    init_local_ray(max(2, os.cpu_count() or 1))
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build(CONFIG), name=APP_NAME, route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+async def send_at_once(base_url: str, count: int) -> list[httpx.Response]:
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 48, "ignore_eos": True, "temperature": 0}
+    async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
+        return await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(count)))
+
+
+def test_requests_past_the_replica_and_the_ingress_queue_get_429(base_url):
+    responses = asyncio.run(send_at_once(base_url, 6))
+    statuses = sorted(response.status_code for response in responses)
+    assert statuses[0] == 200 and statuses[-1] == 429, statuses
+    assert set(statuses) == {200, 429}
+    for response in responses:
+        if response.status_code == 429:
+            assert response.headers["retry-after"] == "1"
+            assert response.json()["error"]["code"] == "server_overloaded"
+        else:
+            assert response.json()["usage"]["completion_tokens"] == 48
+    deadline = time.monotonic() + 30
+    while any(metric_values(base_url, "kv_cache_usage_perc").values()) or \
+            any(metric_values(base_url, "num_requests_running").values()):
+        assert time.monotonic() < deadline, "blocks still held after every request ended"
+        time.sleep(0.5)
+
+
+def test_a_body_past_the_limit_gets_413(base_url):
+    response = httpx.post(f"{base_url}/v1/completions", timeout=30,
+                          json={"model": MODEL, "prompt": "word " * 500, "max_tokens": 1})
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == "request_too_large"
