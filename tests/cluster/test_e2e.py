@@ -4,6 +4,7 @@ One Ray cluster for the module. The app is first deployed with prefix routing fr
 the last test redeploys it with round_robin through `prefixserve serve --address ...` (joining
 this cluster) and stops that with SIGINT, as Ctrl-C would.
 """
+import contextlib
 import json
 import os
 import re
@@ -12,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import httpx
 import openai
@@ -46,17 +48,24 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def base_url():
+@contextlib.contextmanager
+def served(config: ClusterConfig) -> Iterator[str]:
+    """The app on a fresh local Ray cluster; yields its base URL."""
     port = free_port()
     init_local_ray(max(2, os.cpu_count() or 1))
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build(ClusterConfig(engine=ENGINE, num_replicas=2)), name=APP_NAME, route_prefix="/")
+        serve.run(build(config), name=APP_NAME, route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def base_url():
+    with served(ClusterConfig(engine=ENGINE, num_replicas=2)) as url:
+        yield url
 
 
 @pytest.fixture

@@ -4,19 +4,14 @@ Requests past both get 429 with Retry-After from Serve's max_queued_requests, an
 gets 413; the accepted ones complete and leave no KV block behind.
 """
 import asyncio
-import os
 import time
 
 import httpx
 import pytest
-import ray
-from ray import serve
 
-from cluster.app import APP_NAME, build
 from cluster.config import ClusterConfig
-from cluster.local_ray import init_local_ray
 
-from .test_e2e import MODEL, free_port, metric_values
+from .test_e2e import MODEL, metric_values, served
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -26,15 +21,8 @@ CONFIG = ClusterConfig(engine={"num_kv_blocks": 64, "max_model_len": 256, "max_n
 
 @pytest.fixture(scope="module")
 def base_url():
-    port = free_port()
-    init_local_ray(max(2, os.cpu_count() or 1))
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build(CONFIG), name=APP_NAME, route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with served(CONFIG) as url:
+        yield url
 
 
 async def send_at_once(base_url: str, count: int) -> list[httpx.Response]:
