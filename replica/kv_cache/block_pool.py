@@ -68,28 +68,24 @@ class BlockPool:
 
         A block whose hash another block already holds stays uncached: the map keeps one block per hash.
         """
-        stored: list[BlockHash] = []
         run_start = first
         for index in range(first, end):
             block, block_hash = blocks[index], block_hashes[index]
             if block.block_hash is None and block_hash not in self.cached_block_hash_to_block:
                 block.block_hash = block_hash
                 self.cached_block_hash_to_block[block_hash] = block
-                stored.append(block_hash)
-                continue
-            self._emit_stored(stored, block_hashes, token_ids, run_start)
-            stored = []
-            run_start = index + 1
-        self._emit_stored(stored, block_hashes, token_ids, run_start)
+            else:
+                self._emit_stored(block_hashes, token_ids, run_start, index)
+                run_start = index + 1
+        self._emit_stored(block_hashes, token_ids, run_start, end)
 
-    def _emit_stored(self, stored: list[BlockHash], block_hashes: list[BlockHash],
-                     token_ids: list[int], run_start: int) -> None:
-        if not stored:
+    def _emit_stored(self, block_hashes: list[BlockHash], token_ids: list[int], start: int, end: int) -> None:
+        """One BlockStored for blocks[start:end], a run just entered into the cache; none if it is empty."""
+        if start == end:
             return
+        parent = block_hashes[start - 1] if start > 0 else None
         size = self.block_size
-        parent = block_hashes[run_start - 1] if run_start > 0 else None
-        tokens = token_ids[run_start * size:(run_start + len(stored)) * size]
-        self.events.append(BlockStored(stored, parent, tokens, size))
+        self.events.append(BlockStored(block_hashes[start:end], parent, token_ids[start * size:end * size], size))
 
     def reset_prefix_cache(self) -> bool:
         if self.get_num_free_blocks() != self.num_blocks - 1:

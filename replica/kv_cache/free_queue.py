@@ -45,12 +45,7 @@ class FreeKVCacheBlockQueue:
         self._unlink(block)
 
     def append(self, block: KVCacheBlock) -> None:
-        last = self._tail.prev_free_block
-        last.next_free_block = block
-        block.prev_free_block = last
-        block.next_free_block = self._tail
-        self._tail.prev_free_block = block
-        self.num_free_blocks += 1
+        self.append_n((block,))
 
     def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
         last = self._tail.prev_free_block

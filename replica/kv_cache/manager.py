@@ -45,7 +45,10 @@ class KVCacheManager:
 
     def fits_when_alone(self, request: Request) -> bool:
         """Whether the request's tokens (up to max_model_len) fit the pool, the null block aside."""
-        return -(-min(request.num_tokens, self.max_model_len) // self.block_size) < self.num_blocks
+        return self._num_sequence_blocks(request) < self.num_blocks
+
+    def _num_sequence_blocks(self, request: Request) -> int:
+        return -(-min(request.num_tokens, self.max_model_len) // self.block_size)
 
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
         """The longest chain of cached full blocks, leaving at least one token to compute."""
@@ -81,10 +84,12 @@ class KVCacheManager:
         num_tokens_need_slot = min(num_computed_tokens + num_new_tokens + num_lookahead_tokens,
                                    self.max_model_len)
         num_held_blocks = len(self.req_to_blocks.get(request.request_id, ())) + len(computed_blocks)
-        num_blocks_to_allocate = -(-num_tokens_need_slot // self.block_size) - num_held_blocks
-        if num_blocks_to_allocate > 0 or computed_blocks or full_sequence_must_fit:
-            num_blocks_to_allocate = max(0, num_blocks_to_allocate)
-            if not self._can_allocate(request, computed_blocks, num_blocks_to_allocate, full_sequence_must_fit):
+        num_blocks_to_allocate = max(0, -(-num_tokens_need_slot // self.block_size) - num_held_blocks)
+        if num_blocks_to_allocate or computed_blocks or full_sequence_must_fit:
+            num_blocks_needed = num_blocks_to_allocate
+            if full_sequence_must_fit:  # free blocks for the whole sequence, not only this step's tokens
+                num_blocks_needed = max(num_blocks_needed, self._num_sequence_blocks(request) - num_held_blocks)
+            if not self._can_allocate(request, computed_blocks, num_blocks_needed):
                 return None
             new_blocks = self._attach_blocks(request, computed_blocks, num_blocks_to_allocate)
         else:
@@ -115,18 +120,12 @@ class KVCacheManager:
     def cached_block_hashes(self) -> list[BlockHash]:
         return list(self.block_pool.cached_block_hash_to_block)
 
-    def _can_allocate(self, request: Request, computed_blocks: Sequence[KVCacheBlock],
-                      num_blocks_to_allocate: int, full_sequence_must_fit: bool) -> bool:
+    def _can_allocate(self, request: Request, computed_blocks: Sequence[KVCacheBlock], num_blocks: int) -> bool:
         # Touching a hit with ref_cnt 0 takes it out of the free queue, so it costs a free block.
         num_evictable_hits = sum(1 for block in computed_blocks if block.ref_cnt == 0)
         watermark = self.watermark_blocks if (
             self.num_requests_scheduled_this_step and request.status in _ADMISSIONS) else 0
-        if full_sequence_must_fit:
-            num_held_blocks = len(self.req_to_blocks.get(request.request_id, ())) + len(computed_blocks)
-            num_full_blocks = -(-min(request.num_tokens, self.max_model_len) // self.block_size)
-            num_blocks_to_allocate = max(num_blocks_to_allocate, num_full_blocks - num_held_blocks)
-        required = num_blocks_to_allocate + num_evictable_hits + watermark
-        return required <= self.block_pool.get_num_free_blocks()
+        return num_blocks + num_evictable_hits + watermark <= self.block_pool.get_num_free_blocks()
 
     def _attach_blocks(self, request: Request, computed_blocks: Sequence[KVCacheBlock],
                        num_blocks_to_allocate: int) -> KVCacheBlocks:
