@@ -57,10 +57,6 @@ class Tokenizer:
         return cls(backend, bos_token_id=token_id("bos_token"), eos_token_id=token_id("eos_token"),
                    chat_template=chat_template)
 
-    @property
-    def vocab_size(self) -> int:
-        return self.backend.get_vocab_size()
-
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 

@@ -77,6 +77,3 @@ class ContinuumRequestQueue(FCFSRequestQueue):
         request = self.peek()
         self._queue.remove(request)
         return request
-
-
-RequestQueue = FCFSRequestQueue | PriorityRequestQueue | ContinuumRequestQueue
