@@ -18,6 +18,7 @@ _GAPS_PER_PROGRAM = 8
 _GAPS_OVERALL = 256
 _PROGRAMS_REMEMBERED = 4096
 _MIN_GAPS = 3  # observed gaps a quantile is taken over; fewer: the next source down
+_TTL_PERCENTILE = 90  # of the observed gaps
 
 
 class ToolGapEstimator:
@@ -25,10 +26,9 @@ class ToolGapEstimator:
     recent gaps once it has shown a few, else of every program's, else a configured default;
     capped by max_s."""
 
-    def __init__(self, default_s: float, max_s: float, quantile: float = 0.9):
+    def __init__(self, default_s: float, max_s: float):
         self.default_s = default_s
         self.max_s = max_s
-        self.quantile = quantile
         self._overall: deque[float] = deque(maxlen=_GAPS_OVERALL)
         self._programs: OrderedDict[str, deque[float]] = OrderedDict()
         self._finished_at: dict[str, float] = {}
@@ -57,11 +57,8 @@ class ToolGapEstimator:
     def ttl(self, session_id: str) -> float:
         for gaps in (self._programs.get(session_id, ()), self._overall):
             if len(gaps) >= _MIN_GAPS:
-                return min(self._quantile(gaps), self.max_s)
+                return min(statistics.quantiles(gaps, n=100, method="inclusive")[_TTL_PERCENTILE - 1], self.max_s)
         return min(self.default_s, self.max_s)
-
-    def _quantile(self, gaps) -> float:
-        return statistics.quantiles(gaps, n=100, method="inclusive")[round(self.quantile * 100) - 1]
 
 
 @dataclass(slots=True)
