@@ -6,6 +6,7 @@ else that touches the core (adding, aborting, reading stats) runs on the event l
 steps, never during one.
 """
 import asyncio
+import contextlib
 import logging
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -209,11 +210,9 @@ class AsyncEngine:
                 del self._streams[output.request_id]
 
     async def _wait_for_work(self) -> None:
-        try:
+        with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self._idle_interval_s):
                 await self._wakeup.wait()
-        except TimeoutError:
-            pass
         self._wakeup.clear()
 
     def _fail_all(self, exc: BaseException) -> None:
