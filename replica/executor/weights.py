@@ -1,5 +1,4 @@
 """Building the model from a checkpoint: weights streamed from GGUF or safetensors, in the chosen dtype."""
-import contextlib
 from collections.abc import Iterator
 
 import numpy as np
@@ -14,8 +13,8 @@ from replica.executor.model import LlamaForCausalLM
 def build_model(checkpoint: Checkpoint, *, dtype: torch.dtype, device: torch.device,
                 ops: KernelOps) -> LlamaForCausalLM:
     # built on the meta device, so no memory is initialized only to be overwritten by the weights
-    with torch.device("meta"), _default_dtype(dtype):
-        model = LlamaForCausalLM(checkpoint.config, ops, device)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(checkpoint.config, ops, device).to(dtype)
     model.to_empty(device=device)
     model.load_weights((name, tensor.to(device)) for name, tensor in iter_weights(checkpoint, dtype))
     if packed_linear.can_pack(device, dtype):
@@ -38,13 +37,3 @@ def iter_weights(checkpoint: Checkpoint, dtype: torch.dtype) -> Iterator[tuple[s
         with safe_open(file, framework="pt") as tensors:
             for name in tensors.keys():
                 yield name, tensors.get_tensor(name).to(dtype)
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
