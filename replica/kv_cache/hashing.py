@@ -40,10 +40,6 @@ def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int],
     return xxhash.xxh3_128_digest(bytes(data), seed=seed)
 
 
-def block_extra_keys(block_index: int, cache_salt: str | None) -> tuple | None:
-    return (cache_salt,) if block_index == 0 and cache_salt is not None else None
-
-
 def hash_token_blocks(token_ids: Sequence[int], block_size: int, *,
                       cache_salt: str | None = None, seed: int = 0,
                       parent_hashes: Sequence[BlockHash] = ()) -> list[BlockHash]:
@@ -52,7 +48,7 @@ def hash_token_blocks(token_ids: Sequence[int], block_size: int, *,
     parent = parent_hashes[-1] if parent_hashes else None
     for index in range(len(parent_hashes), len(token_ids) // block_size):
         start = index * block_size
-        parent = hash_block_tokens(parent, token_ids[start:start + block_size],
-                                   block_extra_keys(index, cache_salt), seed=seed)
+        extra_keys = (cache_salt,) if index == 0 and cache_salt is not None else None
+        parent = hash_block_tokens(parent, token_ids[start:start + block_size], extra_keys, seed=seed)
         hashes.append(parent)
     return hashes
