@@ -17,13 +17,10 @@ class KVCacheBlock:
         return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, cached={self.block_hash is not None})"
 
 
+@dataclass(slots=True, eq=False)
 class KVCacheBlocks:
     """The blocks an allocation handed out, in order."""
-
-    __slots__ = ("blocks",)
-
-    def __init__(self, blocks: list[KVCacheBlock]):
-        self.blocks = blocks
+    blocks: list[KVCacheBlock]
 
     def get_block_ids(self) -> list[int]:
         return [block.block_id for block in self.blocks]
