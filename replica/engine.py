@@ -27,12 +27,6 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
            "float16": torch.float16, "fp16": torch.float16}
 
 
-@dataclass
-class _RequestRecord:
-    request: Request
-    detokenizer: IncrementalDetokenizer
-
-
 def resolve_device(device: str | None) -> torch.device:
     return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
@@ -40,10 +34,8 @@ def resolve_device(device: str | None) -> torch.device:
 def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     if dtype is not None:
         return _DTYPES[dtype]
-    if device.type == "cuda":
-        return torch.bfloat16
     # bf16 matmuls on AMX / AVX512-BF16 run several times faster than fp32 (benchmarks/results/offline.md)
-    return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+    return torch.bfloat16 if device.type == "cuda" or torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
 
 
 def resolve_backend(backend: str, device: torch.device, head_dim: int) -> Backend:
@@ -89,7 +81,7 @@ class EngineCore:
                                    self.kv_cache_manager)
         kv_caches = allocate_kv_caches(checkpoint.config, num_blocks, cache.block_size, dtype, device)
         self.runner = ModelRunner(model, kv_caches, cache.block_size)
-        self._requests: dict[str, _RequestRecord] = {}
+        self._requests: dict[str, tuple[Request, IncrementalDetokenizer]] = {}
         logger.info("KV cache: %.3f GiB = %d blocks of %d tokens (budget %s); max_model_len %d",
                     num_blocks * block_bytes(checkpoint.config, cache.block_size, dtype) / 2**30, num_blocks,
                     cache.block_size, "num_kv_blocks" if cache.num_kv_blocks else
@@ -104,10 +96,9 @@ class EngineCore:
 
     def _max_model_len(self, num_blocks: int) -> int:
         context_len = self.model_config.max_position
-        if self.config.max_model_len is not None and self.config.max_model_len > context_len:
-            raise ValueError(f"max_model_len={self.config.max_model_len} exceeds the model's context "
-                             f"length {context_len}")
         wanted = self.config.max_model_len or context_len
+        if wanted > context_len:
+            raise ValueError(f"max_model_len={wanted} exceeds the model's context length {context_len}")
         kv_capacity = (num_blocks - 1) * self.config.cache.block_size  # block 0 is the null block
         if kv_capacity < wanted:
             logger.warning("max_model_len capped from %d to %d tokens: the KV cache holds no more",
@@ -130,7 +121,7 @@ class EngineCore:
         if len(block_hashes) > request.num_prompt_tokens // self.config.cache.block_size:
             raise ValueError(f"{len(block_hashes)} block hashes for {request.num_prompt_tokens} prompt tokens")
         self.scheduler.add_request(request)
-        self._requests[request_id] = _RequestRecord(
+        self._requests[request_id] = (
             request, IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop))
 
     def step(self) -> list[EngineOutput]:
@@ -142,9 +133,8 @@ class EngineCore:
         return [self._make_output(output, logprobs.get(output.request_id)) for output in request_outputs]
 
     def _make_output(self, output: RequestOutput, logprobs: list[float] | None) -> EngineOutput:
-        record = self._requests[output.request_id]
-        request = record.request
-        new_text, hit_stop_string = record.detokenizer.update(output.new_token_ids, output.finished)
+        request, detokenizer = self._requests[output.request_id]
+        new_text, hit_stop_string = detokenizer.update(output.new_token_ids, output.finished)
         finished, finish_reason = output.finished, output.finish_reason
         if hit_stop_string:
             if not finished:
