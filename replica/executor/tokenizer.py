@@ -34,9 +34,8 @@ class Tokenizer:
         if model != "gpt2":
             raise ValueError(f"GGUF tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2'); "
                              "load the model from a Hugging Face directory with tokenizer.json instead")
-        bos_token_id = metadata.get("tokenizer.ggml.bos_token_id")
-        return cls(_byte_level_bpe(metadata, add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token"))),
-                   bos_token_id=bos_token_id, eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
+        return cls(_byte_level_bpe(metadata), bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
+                   eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
                    chat_template=metadata.get("tokenizer.chat_template"))
 
     @classmethod
@@ -81,7 +80,7 @@ class Tokenizer:
         return "" if token_id is None else self.backend.id_to_token(token_id)
 
 
-def _byte_level_bpe(metadata: dict[str, Any], add_bos: bool) -> BackendTokenizer:
+def _byte_level_bpe(metadata: dict[str, Any]) -> BackendTokenizer:
     tokens: list[str] = metadata["tokenizer.ggml.tokens"]
     merges = [tuple(merge.split(" ", 1)) for merge in metadata["tokenizer.ggml.merges"]]
     pre = metadata.get("tokenizer.ggml.pre", "default")
@@ -106,7 +105,7 @@ def _byte_level_bpe(metadata: dict[str, Any], add_bos: bool) -> BackendTokenizer
     backend.add_tokens([AddedToken(token, normalized=False)
                         for token, kind in zip(tokens, token_types) if kind == _USER_DEFINED])
     bos_token_id = metadata.get("tokenizer.ggml.bos_token_id")
-    if add_bos and bos_token_id is not None:
+    if metadata.get("tokenizer.ggml.add_bos_token") and bos_token_id is not None:
         bos = tokens[bos_token_id]
         backend.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", special_tokens=[(bos, bos_token_id)])
