@@ -2,7 +2,7 @@
 import abc
 import json
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import pydantic
 
@@ -44,7 +44,12 @@ class StreamOptions(pydantic.BaseModel):
 
 
 class _GenerationRequest(pydantic.BaseModel):
-    """The fields completions and chat share. Unknown fields are ignored, as OpenAI's server does."""
+    """The fields completions and chat share. Unknown fields are ignored; OpenAI's fields this server does
+    not implement are refused unless they ask for nothing (UNSUPPORTED: field -> the values that do)."""
+
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {
+        "logprobs": (None, False, 0), "top_logprobs": (None, 0), "logit_bias": (None, {}),
+        "frequency_penalty": (None, 0), "presence_penalty": (None, 0)}
 
     model: str
     max_tokens: int | None = None
@@ -68,6 +73,15 @@ class _GenerationRequest(pydantic.BaseModel):
     last_turn: bool = False
     """The session's last turn: nothing to pin its blocks for (continuum)."""
 
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _nothing_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, asks_for_nothing in cls.UNSUPPORTED.items():
+                if data.get(name) not in asks_for_nothing:
+                    raise ValueError(f"{name}: not supported by this server")
+        return data
+
     @pydantic.field_validator("n")
     @classmethod
     def _one_choice(cls, n: int) -> int:
@@ -90,6 +104,8 @@ class _GenerationRequest(pydantic.BaseModel):
 
 
 class CompletionRequest(_GenerationRequest):
+    UNSUPPORTED = _GenerationRequest.UNSUPPORTED | {"echo": (None, False), "suffix": (None, ""), "best_of": (None, 1)}
+
     prompt: str | list[int] | list[str]
 
     @pydantic.field_validator("prompt")
@@ -119,6 +135,11 @@ class ChatMessage(pydantic.BaseModel):
 
 
 class ChatCompletionRequest(_GenerationRequest):
+    UNSUPPORTED = _GenerationRequest.UNSUPPORTED | {
+        "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+        "response_format": (None, {"type": "text"}), "audio": (None,), "modalities": (None, ["text"]),
+        "prediction": (None,)}
+
     messages: list[ChatMessage] = pydantic.Field(min_length=1)
     max_completion_tokens: int | None = None
 

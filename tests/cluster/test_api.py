@@ -221,6 +221,8 @@ def test_a_finished_stream_is_not_abandoned():
     ({"model": "gpt-4", "prompt": "hi"}, 404, "The model `gpt-4` does not exist.", "model_not_found"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens must be at least 1, got 0", None),
     ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n: only n=1 is supported", None),
+    ({"model": MODEL, "prompt": "hi", "logprobs": 2}, 400, "logprobs: not supported by this server", None),
+    ({"model": MODEL, "prompt": "hi", "echo": True}, 400, "echo: not supported by this server", None),
     ({"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature must be non-negative, got -1.0", None),
     ({"model": MODEL}, 400, "prompt: Field required", None),
     ({"model": MODEL, "prompt": ""}, 400, "the prompt is empty", None),
@@ -254,6 +256,12 @@ def test_bad_completion_requests_get_openai_errors(body, status, message, code):
      "chat template: the last message must not be the assistant's"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -3},
      "max_tokens must be at least 1, got -3"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
+     "tools: not supported by this server"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+     "response_format: not supported by this server"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 5},
+     "top_logprobs: not supported by this server"),
 ])
 def test_bad_chat_requests_get_openai_errors(body, message):
     response = request(make_app(), "POST", "/v1/chat/completions", json=body)
@@ -267,6 +275,20 @@ def test_the_openai_client_raises_on_errors():
 
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         with_openai(make_app(), unknown_model)
+
+
+    async def with_tools(client: openai.AsyncOpenAI):
+        await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], tools=[
+            {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}])
+
+    with pytest.raises(openai.BadRequestError, match="tools: not supported by this server"):
+        with_openai(make_app(), with_tools)
+
+
+def test_fields_that_ask_for_nothing_unsupported_are_accepted():
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "tools": [],
+            "response_format": {"type": "text"}, "logprobs": False, "frequency_penalty": 0, "stream_options": None}
+    assert request(make_app(), "POST", "/v1/chat/completions", json=body).status_code == 200
 
 
 def test_unknown_routes_and_methods_are_openai_errors():
