@@ -55,6 +55,7 @@ class EngineOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per new token: (token id, logprob), likeliest first
     replica_id: str | None = None  # only on the opening output: the replica that took the request
 
 

@@ -130,9 +130,12 @@ class EngineCore:
         model_output = self.runner.execute_model(scheduler_output)
         request_outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         logprobs = dict(zip(model_output.req_ids, model_output.logprobs or ()))
-        return [self._make_output(output, logprobs.get(output.request_id)) for output in request_outputs]
+        top_logprobs = dict(zip(model_output.req_ids, model_output.top_logprobs or ()))
+        return [self._make_output(output, logprobs.get(output.request_id), top_logprobs.get(output.request_id))
+                for output in request_outputs]
 
-    def _make_output(self, output: RequestOutput, logprobs: list[float] | None) -> EngineOutput:
+    def _make_output(self, output: RequestOutput, logprobs: list[float] | None,
+                     top_logprobs: list[list[tuple[int, float]]] | None) -> EngineOutput:
         request, detokenizer = self._requests[output.request_id]
         new_text, hit_stop_string = detokenizer.update(output.new_token_ids, output.finished)
         finished, finish_reason = output.finished, output.finish_reason
@@ -142,11 +145,14 @@ class EngineCore:
             finished, finish_reason = True, "stop"
         if finished:
             del self._requests[output.request_id]
+        params, num_new = request.sampling_params, len(output.new_token_ids)
         return EngineOutput(
             request_id=output.request_id, new_token_ids=output.new_token_ids, new_text=new_text,
             finished=finished, finish_reason=finish_reason, num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=max(request.num_cached_tokens, 0),
-            logprobs=logprobs[:len(output.new_token_ids)] if request.sampling_params.logprobs and logprobs else None)
+            logprobs=logprobs[:num_new] if params.logprobs and logprobs else None,
+            top_logprobs=[top[:params.top_logprobs] for top in top_logprobs[:num_new]]
+            if params.top_logprobs and top_logprobs else None)
 
     def abort(self, request_ids: Iterable[str]) -> None:
         """Finish requests now and free their KV blocks; unknown ids are ignored."""

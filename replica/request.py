@@ -46,7 +46,8 @@ class SamplingParams(pydantic.BaseModel):
     stop: list[str] = []
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
-    logprobs: bool = False
+    logprobs: bool = False  # the sampled token's log-probability under the raw logits
+    top_logprobs: int = 0  # and this many most likely tokens' (at most 20; needs logprobs)
 
     @pydantic.model_validator(mode="after")
     def _check(self) -> "SamplingParams":
@@ -58,6 +59,8 @@ class SamplingParams(pydantic.BaseModel):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be 0 (off) or positive, got {self.top_k}")
+        if not 0 <= self.top_logprobs <= 20 or (self.top_logprobs and not self.logprobs):
+            raise ValueError(f"top_logprobs must be in [0, 20] and needs logprobs, got {self.top_logprobs}")
         if any(s == "" for s in self.stop):
             raise ValueError("stop strings must not be empty")
         return self

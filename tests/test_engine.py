@@ -131,6 +131,14 @@ def test_streamed_outputs_add_up_and_carry_logprobs(llm):
     assert all(-20 < output.logprobs[0] <= 0 for output in outputs)
 
 
+def test_greedy_tokens_head_their_top_logprobs(llm):
+    params = SamplingParams(max_tokens=4, temperature=0, logprobs=True, top_logprobs=3)
+    for output in run(llm.engine, "top", llm.tokenizer.encode(PROMPTS[0]), params):
+        (top,) = output.top_logprobs
+        assert [len(top), top[0]] == [3, (output.new_token_ids[0], pytest.approx(output.logprobs[0], abs=1e-6))]
+        assert [logprob for _, logprob in top] == sorted((logprob for _, logprob in top), reverse=True)
+
+
 @pytest.mark.parametrize("prompt, error", [
     ([], "empty"),
     ([1, 2, 49152], "token ids"),

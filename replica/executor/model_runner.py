@@ -8,7 +8,7 @@ import torch
 
 from replica.executor.input_batch import BatchInputs, RequestState, order_decodes_first, prepare_inputs
 from replica.executor.model import KVCache, LlamaForCausalLM
-from replica.executor.sampler import SamplingMetadata, sample
+from replica.executor.sampler import SamplingMetadata, sample, top_logprobs
 from replica.scheduler import ModelRunnerOutput, SchedulerOutput
 
 
@@ -32,12 +32,15 @@ class ModelRunner:
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attention)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         sampling = [states[row] for row in batch.sample_rows]
-        token_ids, logprobs = sample(logits, SamplingMetadata.from_params(
+        metadata = SamplingMetadata.from_params(
             [state.sampling_params for state in sampling],
             {row: state.generator for row, state in enumerate(sampling) if state.generator is not None},
-            logits.shape[1], self.device))
-        return self._make_output(batch, sampling, token_ids.tolist(),
-                                 None if logprobs is None else logprobs.tolist())
+            logits.shape[1], self.device)
+        token_ids, logprobs = sample(logits, metadata)
+        output = self._make_output(batch, sampling, token_ids.tolist(), None if logprobs is None else logprobs.tolist())
+        if metadata.max_top_logprobs:
+            output.top_logprobs = self._top_logprobs(batch, logits, metadata.max_top_logprobs)
+        return output
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for req_id in scheduler_output.finished_req_ids:
@@ -70,3 +73,12 @@ class ModelRunner:
                 sampled_logprobs[row] = [logprobs[index]]
         return ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=sampled,
                                  logprobs=None if logprobs is None else sampled_logprobs)
+
+    @staticmethod
+    def _top_logprobs(batch: BatchInputs, logits: torch.Tensor, k: int) -> list[list[list[tuple[int, float]]]]:
+        """Per request: [the k most likely (token id, logprob) of its sampled token's position], or []."""
+        values, token_ids = top_logprobs(logits, k)
+        top: list[list[list[tuple[int, float]]]] = [[] for _ in batch.req_ids]
+        for index, row in enumerate(batch.sample_rows):
+            top[row] = [list(zip(token_ids[index].tolist(), values[index].tolist()))]
+        return top

@@ -15,6 +15,7 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator]  # row -> the seeded request's own generator
     all_greedy: bool
     needs_logprobs: bool
+    max_top_logprobs: int  # the most any row asks for
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], generators: dict[int, torch.Generator],
@@ -28,6 +29,7 @@ class SamplingMetadata:
             generators=generators,
             all_greedy=all(p.temperature == 0 for p in params),
             needs_logprobs=any(p.logprobs for p in params),
+            max_top_logprobs=max((p.top_logprobs for p in params), default=0),
         )
 
 
@@ -45,6 +47,11 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> tuple[torch.Tens
     if metadata.needs_logprobs:
         logprobs = logits.log_softmax(dim=-1).gather(1, token_ids.unsqueeze(1)).squeeze(1)
     return token_ids, logprobs
+
+
+def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k most likely tokens of each row under the raw logits: (logprobs [R, k], token ids [R, k])."""
+    return logits.log_softmax(dim=-1).topk(k, dim=-1)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None,

@@ -39,6 +39,7 @@ class ModelRunnerOutput:
     req_ids: list[str]
     sampled_token_ids: list[list[int]]  # [] for a partial prefill
     logprobs: list[list[float]] | None = None
+    top_logprobs: list[list[list[tuple[int, float]]]] | None = None  # per sampled token: (token id, logprob)
 
 
 @dataclass(slots=True)

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from replica.executor.sampler import SamplingMetadata, sample
+from replica.executor.sampler import SamplingMetadata, sample, top_logprobs
 from replica.request import SamplingParams
 
 PROBS = [0.5, 0.3, 0.2]
@@ -73,3 +73,17 @@ def test_logprobs_are_of_the_raw_distribution_even_when_sampling():
     torch.manual_seed(0)
     token_ids, logprobs = run(logits_rows(50), [SamplingParams(temperature=0.3, logprobs=True)] * 50)
     assert logprobs.tolist() == pytest.approx([math.log(PROBS[t]) for t in token_ids.tolist()], abs=1e-6)
+
+
+def test_top_logprobs_are_the_likeliest_tokens_of_the_raw_distribution():
+    logits = torch.tensor([[0.0, 2.0, 1.0], [5.0, -1.0, 0.0]])
+    values, token_ids = top_logprobs(logits, 2)
+    assert token_ids.tolist() == [[1, 2], [0, 2]]
+    torch.testing.assert_close(values, logits.log_softmax(-1)[[[0, 0], [1, 1]], [[1, 2], [0, 2]]])
+
+
+def test_top_logprobs_need_logprobs_and_stop_at_twenty():
+    assert SamplingParams(logprobs=True, top_logprobs=20).top_logprobs == 20
+    for bad in [{"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 21}, {"logprobs": True, "top_logprobs": -1}]:
+        with pytest.raises(ValueError, match="top_logprobs must be in"):
+            SamplingParams(**bad)
