@@ -1,7 +1,9 @@
 """The OpenAI wire format: request bodies, response and chunk builders, error bodies."""
 import abc
+import itertools
 import json
 import time
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import pydantic
@@ -48,8 +50,7 @@ class _GenerationRequest(pydantic.BaseModel):
     not implement are refused unless they ask for nothing (UNSUPPORTED: field -> the values that do)."""
 
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
-        "logprobs": (None, False, 0), "top_logprobs": (None, 0), "logit_bias": (None, {}),
-        "frequency_penalty": (None, 0), "presence_penalty": (None, 0)}
+        "logit_bias": (None, {}), "frequency_penalty": (None, 0), "presence_penalty": (None, 0)}
 
     model: str
     max_tokens: int | None = None
@@ -94,19 +95,31 @@ class _GenerationRequest(pydantic.BaseModel):
         return self.max_tokens
 
     @property
+    def requested_logprobs(self) -> tuple[bool, int]:
+        """Whether to report each sampled token's logprob, and how many likeliest tokens to list with it."""
+        return False, 0
+
+    @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        logprobs, top_logprobs = self.requested_logprobs
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos)
+                              top_k=self.top_k, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos,
+                              logprobs=logprobs, top_logprobs=top_logprobs)
 
 
 class CompletionRequest(_GenerationRequest):
     UNSUPPORTED = _GenerationRequest.UNSUPPORTED | {"echo": (None, False), "suffix": (None, ""), "best_of": (None, 1)}
 
     prompt: str | list[int] | list[str]
+    logprobs: int | None = pydantic.Field(None, ge=0, le=5)
+
+    @property
+    def requested_logprobs(self) -> tuple[bool, int]:
+        return self.logprobs is not None, self.logprobs or 0
 
     @pydantic.field_validator("prompt")
     @classmethod
@@ -142,6 +155,12 @@ class ChatCompletionRequest(_GenerationRequest):
 
     messages: list[ChatMessage] = pydantic.Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    @property
+    def requested_logprobs(self) -> tuple[bool, int]:
+        return self.logprobs, self.top_logprobs or 0
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -157,6 +176,14 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens:
     }
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A sampled token as text, its logprob, and the likeliest tokens at its position (likeliest first)."""
+    token: str
+    logprob: float
+    top: list[tuple[str, float]]
+
+
 class ResponseFormat(abc.ABC):
     """How one kind of endpoint (completions, chat) shapes its responses and stream chunks."""
 
@@ -168,11 +195,12 @@ class ResponseFormat(abc.ABC):
         self.model = model
         self.created = int(time.time())
 
-    def response(self, text: str, finish_reason: str | None, usage_: dict[str, Any]) -> dict[str, Any]:
-        return self._envelope(self.object, [self.choice(text, finish_reason)], usage=usage_)
+    def response(self, text: str, finish_reason: str | None, usage_: dict[str, Any],
+                 logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
+        return self._envelope(self.object, [self.choice(text, finish_reason, logprobs)], usage=usage_)
 
-    def chunk(self, text: str, finish_reason: str | None) -> str:
-        return sse(self._envelope(self.chunk_object, [self.chunk_choice(text, finish_reason)]))
+    def chunk(self, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None = None) -> str:
+        return sse(self._envelope(self.chunk_object, [self.chunk_choice(text, finish_reason, logprobs)]))
 
     def usage_chunk(self, usage_: dict[str, Any]) -> str:
         return sse(self._envelope(self.chunk_object, [], usage=usage_))
@@ -181,10 +209,11 @@ class ResponseFormat(abc.ABC):
         return []
 
     @abc.abstractmethod
-    def choice(self, text: str, finish_reason: str | None) -> dict[str, Any]: ...
+    def choice(self, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None) -> dict[str, Any]: ...
 
     @abc.abstractmethod
-    def chunk_choice(self, text: str, finish_reason: str | None) -> dict[str, Any]: ...
+    def chunk_choice(self, text: str, finish_reason: str | None,
+                     logprobs: list[TokenLogprob] | None) -> dict[str, Any]: ...
 
     def _envelope(self, object_: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {"id": self.response_id, "object": object_, "created": self.created, "model": self.model,
@@ -194,28 +223,50 @@ class ResponseFormat(abc.ABC):
 class CompletionFormat(ResponseFormat):
     object = chunk_object = "text_completion"
 
-    def choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def __init__(self, response_id: str, model: str):
+        super().__init__(response_id, model)
+        self._text_offset = 0  # where the next token's text starts in the completion
+
+    def choice(self, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
+        return {"index": 0, "text": text, "logprobs": None if logprobs is None else self._logprobs(logprobs),
+                "finish_reason": finish_reason}
 
     chunk_choice = choice
+
+    def _logprobs(self, tokens: list[TokenLogprob]) -> dict[str, Any]:
+        offsets = list(itertools.accumulate((len(token.token) for token in tokens), initial=self._text_offset))
+        self._text_offset = offsets.pop()
+        return {"tokens": [token.token for token in tokens], "token_logprobs": [token.logprob for token in tokens],
+                "top_logprobs": [dict(token.top) for token in tokens], "text_offset": offsets}
 
 
 class ChatFormat(ResponseFormat):
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                "finish_reason": finish_reason}
+    def choice(self, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
+        return {"index": 0, "message": {"role": "assistant", "content": text},
+                "logprobs": _chat_logprobs(logprobs), "finish_reason": finish_reason}
 
-    def chunk_choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+    def chunk_choice(self, text: str, finish_reason: str | None,
+                     logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
         delta = {"content": text} if text else {}
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": 0, "delta": delta, "logprobs": _chat_logprobs(logprobs), "finish_reason": finish_reason}
 
     def opening_chunks(self) -> list[str]:
         opening = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                    "finish_reason": None}
         return [sse(self._envelope(self.chunk_object, [opening]))]
+
+
+def _chat_logprobs(tokens: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    def entry(token: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    if tokens is None:
+        return None
+    return {"content": [entry(token.token, token.logprob) | {"top_logprobs": [entry(*top) for top in token.top]}
+                        for token in tokens]}
 
 
 def sse(data: dict[str, Any] | str) -> str:

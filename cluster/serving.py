@@ -9,7 +9,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -18,7 +18,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from cluster.metrics import RequestTracker, ServingMetrics
 from cluster.protocol import (REPLICA_HEADER, SSE_DONE, APIError, ChatCompletionRequest, ChatFormat,
-                              CompletionFormat, CompletionRequest, ResponseFormat, describe, sse, usage)
+                              CompletionFormat, CompletionRequest, ResponseFormat, TokenLogprob, describe, sse,
+                              usage)
 from replica.async_engine import EngineOutput, EngineRequest, ModelInfo
 from replica.kv_cache import hash_token_blocks
 from replica.request import SamplingParams
@@ -47,24 +48,36 @@ class Tokenizer(Protocol):
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]: ...
 
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
 
 @dataclass
 class _Progress:
     """What a request produced so far; its tracker times each output as it is added."""
     tracker: RequestTracker
+    token_text: Callable[[int], str]
+    logprobs: list[TokenLogprob] | None = None  # None: not asked for
     text: list[str] = field(default_factory=list)
     num_tokens: int = 0
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     finish_reason: str | None = None
 
-    def add(self, output: EngineOutput) -> None:
+    def add(self, output: EngineOutput) -> list[TokenLogprob] | None:
+        """Takes the output in; returns its tokens with their logprobs, if the request asked for them."""
         self.text.append(output.new_text)
         self.num_tokens += len(output.new_token_ids)
         self.num_prompt_tokens = output.num_prompt_tokens
         self.num_cached_tokens = output.num_cached_tokens
         self.finish_reason = output.finish_reason
         self.tracker.observe(len(output.new_token_ids), output.num_prompt_tokens, output.finished)
+        if self.logprobs is None:
+            return None
+        tops = output.top_logprobs or [[] for _ in output.new_token_ids]
+        tokens = [TokenLogprob(self.token_text(token_id), logprob, [(self.token_text(i), lp) for i, lp in top])
+                  for token_id, logprob, top in zip(output.new_token_ids, output.logprobs, tops, strict=True)]
+        self.logprobs.extend(tokens)
+        return tokens
 
     def usage(self) -> dict[str, Any]:
         return usage(self.num_prompt_tokens, self.num_tokens, self.num_cached_tokens)
@@ -117,14 +130,18 @@ class OpenAIServing:
             raise APIError("The server has too many requests waiting; retry later.", status_code=429,
                            type="rate_limit_error", code="server_overloaded",
                            headers={"Retry-After": str(math.ceil(exc.retry_after_s))}) from None
-        progress = _Progress(RequestTracker(self.metrics, replica_id, arrival_time))
+        progress = _Progress(RequestTracker(self.metrics, replica_id, arrival_time), self._token_text,
+                             [] if params.logprobs else None)
         headers = {REPLICA_HEADER: replica_id}
         if body.stream:
             return StreamingResponse(self._stream(outputs, response_format, progress, body.include_usage),
                                      media_type="text/event-stream", headers=headers)
         await self._collect(outputs, progress)
         return JSONResponse(response_format.response("".join(progress.text), progress.finish_reason,
-                                                     progress.usage()), headers=headers)
+                                                     progress.usage(), progress.logprobs), headers=headers)
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _sampling_params(self, body: CompletionRequest | ChatCompletionRequest, num_prompt_tokens: int,
                          default_max_tokens: int | None) -> SamplingParams:
@@ -162,9 +179,9 @@ class OpenAIServing:
             for chunk in response_format.opening_chunks():
                 yield chunk
             async for output in outputs:
-                progress.add(output)
-                if output.new_text or output.finished:
-                    yield response_format.chunk(output.new_text, output.finish_reason)
+                logprobs = progress.add(output)
+                if output.new_text or output.finished or logprobs:
+                    yield response_format.chunk(output.new_text, output.finish_reason, logprobs)
             if include_usage:
                 yield response_format.usage_chunk(progress.usage())
         except ValueError as exc:

@@ -21,13 +21,18 @@ class FakeTokenizer:
         text = "".join(f"{message['role']}: {message['content']}\n" for message in messages)
         return self.encode(text + "assistant: ")
 
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        """FakeEngineCore's tokens 100 + i read "t<i> "; the others are characters."""
+        return "".join(output_text(token_id - 100) if token_id >= 100 else chr(token_id) for token_id in token_ids)
+
 
 def output_text(index: int) -> str:
     return f"t{index} "
 
 
 class FakeEngineCore:
-    """Generates token 100 + i as text "t<i> " until max_tokens; reports a cached-prefix of one block."""
+    """Generates token 100 + i as text "t<i> " until max_tokens; reports a cached-prefix of one block. Asked
+    for logprobs, token i has -(i + 1) / 4, and the runner-up token 33 ("!") 1 less."""
 
     def __init__(self, *, fail_step: bool = False):
         self.requests: dict[str, EngineRequest] = {}  # unfinished
@@ -65,9 +70,12 @@ class FakeEngineCore:
             index = self.generated[request_id]
             self.generated[request_id] += 1
             finished = index + 1 == request.params.max_tokens
+            logprob, params = -(index + 1) / 4, request.params
+            top = [(100 + index, logprob), (33, logprob - 1)][:params.top_logprobs]
             outputs.append(EngineOutput(request_id, [100 + index], output_text(index), finished,
                                         "length" if finished else None, len(request.prompt_token_ids),
-                                        BLOCK_SIZE, None))
+                                        BLOCK_SIZE, [logprob] if params.logprobs else None,
+                                        [top] if params.top_logprobs else None))
             if finished:
                 del self.requests[request_id]
         return outputs

@@ -221,7 +221,7 @@ def test_a_finished_stream_is_not_abandoned():
     ({"model": "gpt-4", "prompt": "hi"}, 404, "The model `gpt-4` does not exist.", "model_not_found"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens must be at least 1, got 0", None),
     ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n: only n=1 is supported", None),
-    ({"model": MODEL, "prompt": "hi", "logprobs": 2}, 400, "logprobs: not supported by this server", None),
+    ({"model": MODEL, "prompt": "hi", "logprobs": 6}, 400, "logprobs: Input should be less than or equal to 5", None),
     ({"model": MODEL, "prompt": "hi", "echo": True}, 400, "echo: not supported by this server", None),
     ({"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature must be non-negative, got -1.0", None),
     ({"model": MODEL}, 400, "prompt: Field required", None),
@@ -261,7 +261,9 @@ def test_bad_completion_requests_get_openai_errors(body, status, message, code):
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
      "response_format: not supported by this server"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 5},
-     "top_logprobs: not supported by this server"),
+     "top_logprobs must be in [0, 20] and needs logprobs, got 5"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": 1}},
+     "logit_bias: not supported by this server"),
 ])
 def test_bad_chat_requests_get_openai_errors(body, message):
     response = request(make_app(), "POST", "/v1/chat/completions", json=body)
@@ -283,6 +285,33 @@ def test_the_openai_client_raises_on_errors():
 
     with pytest.raises(openai.BadRequestError, match="tools: not supported by this server"):
         with_openai(make_app(), with_tools)
+
+
+def test_completion_logprobs_in_openais_legacy_shape():
+    response = request(make_app(), "POST", "/v1/completions",
+                       json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "logprobs": 1})
+    assert response.json()["choices"][0]["logprobs"] == {
+        "tokens": ["t0 ", "t1 "], "token_logprobs": [-0.25, -0.5], "top_logprobs": [{"t0 ": -0.25}, {"t1 ": -0.5}],
+        "text_offset": [0, 3]}
+
+
+def test_chat_logprobs_streamed_and_whole_read_by_the_openai_client():
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True,
+            "top_logprobs": 2}
+
+    async def whole_and_streamed(client: openai.AsyncOpenAI):
+        whole = await client.chat.completions.create(**body)
+        return whole, [chunk async for chunk in await client.chat.completions.create(**body, stream=True)]
+
+    whole, chunks = with_openai(make_app(), whole_and_streamed)
+    content = whole.choices[0].logprobs.content
+    assert [(entry.token, entry.logprob, entry.bytes) for entry in content] == [
+        ("t0 ", -0.25, [116, 48, 32]), ("t1 ", -0.5, [116, 49, 32])]
+    assert [[(top.token, top.logprob) for top in entry.top_logprobs] for entry in content] == [
+        [("t0 ", -0.25), ("!", -1.25)], [("t1 ", -0.5), ("!", -1.5)]]
+    streamed = [chunk.choices[0].logprobs for chunk in chunks]
+    assert streamed[0] is None  # the opening chunk: the role, no token
+    assert [logprobs.content for logprobs in streamed[1:]] == [[entry] for entry in content]
 
 
 def test_fields_that_ask_for_nothing_unsupported_are_accepted():

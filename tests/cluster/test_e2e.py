@@ -98,6 +98,16 @@ def test_chat_with_the_models_template(client):
     assert chat.usage.prompt_tokens > 20  # the template's default system prompt is in there
 
 
+def test_logprobs_of_the_real_model(client):
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hello."}],
+                                          max_tokens=4, temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert "".join(entry.token for entry in content) == chat.choices[0].message.content
+    for entry in content:  # greedy: the sampled token is the likeliest
+        assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].token == entry.token
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-5) and entry.logprob <= 0
+
+
 def test_stream_is_sse_ending_with_done(base_url, client):
     chunks = list(client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5, stream=True,
                                             temperature=0, stream_options={"include_usage": True}))
