@@ -288,11 +288,12 @@ def test_the_openai_client_raises_on_errors():
 
 
 def test_completion_logprobs_in_openais_legacy_shape():
-    response = request(make_app(), "POST", "/v1/completions",
-                       json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "logprobs": 1})
-    assert response.json()["choices"][0]["logprobs"] == {
-        "tokens": ["t0 ", "t1 "], "token_logprobs": [-0.25, -0.5], "top_logprobs": [{"t0 ": -0.25}, {"t1 ": -0.5}],
-        "text_offset": [0, 3]}
+    async def complete(client: openai.AsyncOpenAI):
+        return await client.completions.create(model=MODEL, prompt="hi", max_tokens=2, logprobs=1)
+
+    logprobs = with_openai(make_app(), complete).choices[0].logprobs
+    assert (logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, logprobs.text_offset) == (
+        ["t0 ", "t1 "], [-0.25, -0.5], [{"t0 ": -0.25}, {"t1 ": -0.5}], [0, 3])
 
 
 def test_chat_logprobs_streamed_and_whole_read_by_the_openai_client():
