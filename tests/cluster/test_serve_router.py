@@ -10,6 +10,8 @@ from replica.request import SamplingParams
 from router.messages import RoutingDecision
 from router.serve_router import PrefixAwareRequestRouter
 
+from .fakes import FakeRouterClient
+
 DEPLOYMENT = DeploymentID("engine", "app")
 REQUEST = EngineRequest("req-1", [1, 2, 3, 4], [b"h" * 16], SamplingParams(), session_id="chat-1")
 
@@ -71,18 +73,6 @@ class FakeMethod:
 
 async def _resolved(value):
     return value
-
-
-class FakeRouterClient:
-    def __init__(self, actor: FakeRouterActor):
-        self.actor = actor
-        self.resets = 0
-
-    async def get(self) -> FakeRouterActor:
-        return self.actor
-
-    def reset(self) -> None:
-        self.resets += 1
 
 
 def run(test, answer):
