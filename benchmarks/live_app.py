@@ -5,7 +5,6 @@ import asyncio
 import contextlib
 import os
 import random
-import socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
@@ -20,11 +19,9 @@ WORDS = ("river stone light garden window paper silver engine market winter harb
 def local_app() -> Iterator[Callable[..., str]]:
     """Yields deploy(engine, num_replicas, **cluster_config) -> the app's base URL. Each deploy replaces
     the app with fresh replicas (cold caches) that share the machine's cores."""
-    from cluster.local_ray import init_local_ray
+    from cluster.local_ray import free_port, init_local_ray
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     num_cpus = os.cpu_count() or 1
     init_local_ray(num_cpus, log_to_driver=False)  # before anything imports ray
     import ray

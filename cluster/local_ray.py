@@ -1,5 +1,6 @@
 """A private Ray cluster on this machine, on loopback only."""
 import os
+import socket
 
 LOOPBACK = "127.0.0.1"
 
@@ -19,3 +20,10 @@ def init_local_ray(num_cpus: int, **init_args) -> None:
         ray.shutdown()
         raise RuntimeError(f"Ray started on {context.address_info['node_ip_address']}, not {LOOPBACK}: "
                            "set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before ray is imported")
+
+
+def free_port() -> int:
+    """A TCP port that nothing on 127.0.0.1 listens on now."""
+    with socket.socket() as sock:
+        sock.bind((LOOPBACK, 0))
+        return sock.getsockname()[1]

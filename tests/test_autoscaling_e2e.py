@@ -1,5 +1,4 @@
 """The real Serve app (cluster.app:build_app) autoscales 1 -> 2 -> 1 engine replicas under load."""
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -10,7 +9,7 @@ import ray
 from ray import serve
 
 from cluster.app import APP_NAME, build_app
-from cluster.local_ray import init_local_ray
+from cluster.local_ray import free_port, init_local_ray
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -22,12 +21,6 @@ ARGS = {
     "autoscaling": {"min_replicas": 1, "max_replicas": 2, "policy_kwargs": {
         "scale_up_waiting_requests": 2.0, "upscale_sustain_s": 1.0, "downscale_quiet_s": 3.0}},
 }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_for_engine_replicas(expected: int, timeout_s: float) -> None:

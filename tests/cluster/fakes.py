@@ -1,4 +1,4 @@
-"""Stand-ins for the engine, its client and the tokenizer, so the Serve glue is tested without a model."""
+"""Stand-ins for the engine, its client, the tokenizer and the router client: the Serve glue tested without a model."""
 from cluster.serving import EnginesBusy
 from replica.async_engine import EngineOutput, EngineRequest
 from replica.kv_cache import BlockStored, hash_token_blocks
@@ -129,3 +129,22 @@ class FakeEngineClient:
         finally:
             if core.has_unfinished():
                 self.abandoned.append(request.request_id)
+
+
+class FakeRouterClient:
+    """A RouterClient handing out a fake router actor handle; the first `unreachable` lookups fail."""
+
+    def __init__(self, handle, *, unreachable: int = 0):
+        self.handle = handle
+        self.unreachable = unreachable
+        self.lookups = 0
+        self.resets = 0
+
+    async def get(self):
+        self.lookups += 1
+        if self.lookups <= self.unreachable:
+            raise ConnectionError("GCS unavailable")
+        return self.handle
+
+    def reset(self) -> None:
+        self.resets += 1

@@ -9,7 +9,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,7 +22,7 @@ from ray import serve
 
 from cluster.app import APP_NAME, build
 from cluster.config import ClusterConfig
-from cluster.local_ray import init_local_ray
+from cluster.local_ray import free_port, init_local_ray
 from cluster.protocol import REPLICA_HEADER
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -40,12 +39,6 @@ PREFIXES = {
         f"Recipe {i}: take {i} cups of flour, mix with water and bake for {i + 10} minutes." for i in range(12)),
 }
 QUESTIONS = ["What is the first fact?", "Summarize in one word.", "What comes next?"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ from router.policy import PolicyConfig
 
 from tests.replica.scheduler_helpers import FakeClock
 
-from .fakes import BLOCK_SIZE, HASH_SEED, FakeEngineCore
+from .fakes import BLOCK_SIZE, HASH_SEED, FakeEngineCore, FakeRouterClient
 
 STATS = SchedulerStats(num_running=0, num_waiting=0, kv_usage=0.0, num_preemptions=0, prefix_cache_queries=0,
                        prefix_cache_hits=0)
@@ -56,25 +56,6 @@ class FakeRouterHandle:
                 future.set_result(getattr(self.actor, method)(*args))
         for _ in range(3):  # let the replies' callbacks run
             await asyncio.sleep(0)
-
-
-class FakeRouterClient:
-    """Hands out the fake handle; the first `unreachable` lookups fail."""
-
-    def __init__(self, handle: FakeRouterHandle, *, unreachable: int = 0):
-        self.handle = handle
-        self.unreachable = unreachable
-        self.lookups = 0
-        self.resets = 0
-
-    async def get(self) -> FakeRouterHandle:
-        self.lookups += 1
-        if self.lookups <= self.unreachable:
-            raise ConnectionError("GCS unavailable")
-        return self.handle
-
-    def reset(self) -> None:
-        self.resets += 1
 
 
 def new_router() -> RouterActor:

@@ -2,6 +2,7 @@
 import asyncio
 from dataclasses import dataclass, field
 
+import pytest
 from ray.exceptions import RayActorError
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
 
@@ -9,6 +10,8 @@ from replica.async_engine import EngineRequest
 from replica.request import SamplingParams
 from router.messages import RoutingDecision
 from router.serve_router import PrefixAwareRequestRouter
+
+from .fakes import FakeRouterClient
 
 DEPLOYMENT = DeploymentID("engine", "app")
 REQUEST = EngineRequest("req-1", [1, 2, 3, 4], [b"h" * 16], SamplingParams(), session_id="chat-1")
@@ -73,18 +76,6 @@ async def _resolved(value):
     return value
 
 
-class FakeRouterClient:
-    def __init__(self, actor: FakeRouterActor):
-        self.actor = actor
-        self.resets = 0
-
-    async def get(self) -> FakeRouterActor:
-        return self.actor
-
-    def reset(self) -> None:
-        self.resets += 1
-
-
 def run(test, answer):
     """test(router, actor, replicas) with a router over replicas a, b, c."""
     actor = FakeRouterActor(answer)
@@ -137,16 +128,11 @@ def test_requests_without_block_hashes_are_left_to_serve():
     assert actor.chosen == []
 
 
-def test_a_slow_actor_falls_back_to_serves_choice():
-    tiers, actor, client = run(choose_for_request, None)
+@pytest.mark.parametrize("answer, resets", [(None, 0), (RayActorError(), 1)], ids=["slow", "dead"])
+def test_a_slow_or_dead_actor_falls_back_to_serves_choice_and_a_dead_one_is_looked_up_again(answer, resets):
+    tiers, actor, client = run(choose_for_request, answer)
     assert ids(tiers) == [["a", "b", "c"]]
-    assert len(actor.chosen) == 1 and client.resets == 0
-
-
-def test_a_dead_actor_falls_back_and_is_looked_up_again():
-    tiers, _, client = run(choose_for_request, RayActorError())
-    assert ids(tiers) == [["a", "b", "c"]]
-    assert client.resets == 1
+    assert len(actor.chosen) == 1 and client.resets == resets
 
 
 def test_a_choice_outside_the_candidates_falls_back():
