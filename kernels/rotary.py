@@ -8,12 +8,13 @@ import torch
 
 def rotary_cos_sin(head_dim: int, max_position: int, theta: float,
                    dtype: torch.dtype = torch.float32,
-                   device: torch.device | str | None = None) -> torch.Tensor:
-    """cos_sin_cache [max_position, head_dim], computed in fp32 and cast to dtype."""
+                   device: torch.device | str | None = None, inv_freq: torch.Tensor | None = None) -> torch.Tensor:
+    """cos_sin_cache [max_position, head_dim], computed in fp32 and cast to dtype; inv_freq [head_dim / 2]
+    replaces the frequencies theta gives (scaled RoPE)."""
     if head_dim % 2:
         raise ValueError(f"head_dim must be even, got {head_dim}")
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
-    inv_freq = 1.0 / theta ** exponents
+    if inv_freq is None:
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
     positions = torch.arange(max_position, dtype=torch.float32, device=device)
     angles = torch.outer(positions, inv_freq)
     return torch.cat([angles.cos(), angles.sin()], dim=-1).to(dtype)

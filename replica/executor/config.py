@@ -3,6 +3,33 @@ from dataclasses import dataclass
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+ROPE_SCALING_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """config.json's `rope_scaling` (transformers 4) or `rope_parameters` (transformers 5), as rope.py applies it."""
+    rope_type: str                          # "linear" or "llama3"
+    factor: float
+    low_freq_factor: float = 1.0            # llama3
+    high_freq_factor: float = 4.0           # llama3
+    original_max_position: int = 8192       # llama3: the context length before scaling
+
+    @classmethod
+    def from_hf(cls, scaling: dict[str, Any]) -> "RopeScaling | None":
+        """None for plain RoPE; ValueError for a type the engine does not implement (never dropped)."""
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type not in ROPE_SCALING_TYPES:
+            raise ValueError(f"RoPE scaling {rope_type!r} is not supported; supported: {', '.join(ROPE_SCALING_TYPES)}")
+        if rope_type == "default":
+            return None
+        try:
+            if rope_type == "linear":
+                return cls(rope_type, float(scaling["factor"]))
+            return cls(rope_type, float(scaling["factor"]), float(scaling["low_freq_factor"]),
+                       float(scaling["high_freq_factor"]), int(scaling["original_max_position_embeddings"]))
+        except KeyError as missing:
+            raise ValueError(f"RoPE scaling {rope_type!r} lacks {missing}") from None
 
 
 @dataclass(frozen=True)
@@ -20,6 +47,7 @@ class ModelConfig:
     max_position: int             # the context length the model was trained for
     tie_word_embeddings: bool
     attention_bias: bool = False  # Qwen2: q/k/v projections carry a bias
+    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -38,6 +66,8 @@ class ModelConfig:
                 raise ValueError(f"GGUF metadata lacks {arch}.{key}")
             return value
 
+        if "rope_freqs.weight" in tensor_names or metadata.get(f"{arch}.rope.scaling.type", "none") != "none":
+            raise ValueError("RoPE scaling in a GGUF file (rope_freqs, rope.scaling.type) is not supported")
         hidden_size = get("embedding_length")
         num_heads = get("attention.head_count")
         return cls(
@@ -59,10 +89,8 @@ class ModelConfig:
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> "ModelConfig":
         arch = config.get("model_type", "")
-        rope_scaling = config.get("rope_scaling") or {}
-        if rope_scaling.get("rope_type", rope_scaling.get("type", "default")) != "default":
-            raise ValueError(f"RoPE scaling {rope_scaling!r} is not supported")
-        # transformers 5 moves rope_theta into rope_parameters
+        # transformers 5 moves rope_theta and the scaling into rope_parameters
+        rope_parameters = config.get("rope_scaling") or config.get("rope_parameters") or {}
         rope_theta = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
         num_heads = config["num_attention_heads"]
         return cls(
@@ -79,4 +107,5 @@ class ModelConfig:
             max_position=config.get("max_position_embeddings", 8192),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             attention_bias=arch == "qwen2" or bool(config.get("attention_bias", False)),
+            rope_scaling=RopeScaling.from_hf(rope_parameters),
         )

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import KernelOps, rotary_cos_sin
+from replica.executor import rope
 from replica.executor.config import ModelConfig
 from replica.executor.packed_linear import PackedLinear
 
@@ -138,8 +139,9 @@ class LlamaForCausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.packed_lm_head: PackedLinear | None = None
-        self.cos_sin_cache = rotary_cos_sin(config.head_dim, config.max_position, config.rope_theta,
-                                            dtype=torch.float32, device=device)
+        self.cos_sin_cache = rotary_cos_sin(
+            config.head_dim, config.max_position, config.rope_theta, dtype=torch.float32, device=device,
+            inv_freq=rope.inv_freq(config.head_dim, config.rope_theta, config.rope_scaling, device))
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

@@ -36,10 +36,22 @@ def test_hf_config_fields():
     ({"model_type": "gpt2"}, "unsupported architecture"),
     ({"num_key_value_heads": 3}, "do not split"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "RoPE scaling"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "RoPE scaling 'llama3' lacks 'low_freq_factor'"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "RoPE scaling 'yarn' is not supported"),
+    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "RoPE scaling 'dynamic' is not supported"),
 ])
 def test_hf_config_rejects_what_the_model_cannot_run(change, error):
     with pytest.raises(ValueError, match=error):
         ModelConfig.from_hf_config({**HF_CONFIG, **change})
+
+
+@pytest.mark.parametrize("metadata, tensor_names", [
+    ({"llama.rope.scaling.type": "linear"}, set()),
+    ({}, {"rope_freqs.weight"}),  # llama.cpp's Llama 3.1 frequency factors
+])
+def test_gguf_rope_scaling_is_refused(metadata, tensor_names):
+    with pytest.raises(ValueError, match="RoPE scaling in a GGUF file"):
+        ModelConfig.from_gguf_metadata({"general.architecture": "llama", **metadata}, tensor_names)
 
 
 def test_bad_model_path_raises(tmp_path):

@@ -1,5 +1,6 @@
 """Loading a Hugging Face directory (config.json + safetensors + tokenizer.json): tiny random Llama
-(untied LM head) and Qwen2 (q/k/v biases, tied head) saved by transformers, checked against it."""
+(untied LM head; plain, llama3-scaled and linearly scaled RoPE) and Qwen2 (q/k/v biases, tied head)
+saved by transformers, checked against it."""
 import json
 
 import pytest
@@ -19,8 +20,14 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ bos_token }}{{ m['role'] }}: {{ m['c
 SHAPE = {"vocab_size": 258, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, "rope_theta": 5000.0,
          "initializer_range": 0.3, "bos_token_id": 256, "eos_token_id": 257}
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}  # head_dim 16, theta 5000: wavelengths in all three bands
 MODELS = {
     "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE, tie_word_embeddings=False)),
+    "llama3_rope": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **SHAPE, tie_word_embeddings=False, rope_scaling=LLAMA3_ROPE)),
+    "linear_rope": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **SHAPE, tie_word_embeddings=False, rope_scaling={"rope_type": "linear", "factor": 4.0})),
     "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SHAPE, tie_word_embeddings=True)),
 }
 PROMPTS = ["hello world", "The quick brown fox jumps over"]
