@@ -2,7 +2,7 @@
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_SCALING_TYPES = ("default", "linear", "llama3")
 
 
@@ -47,6 +47,7 @@ class ModelConfig:
     max_position: int             # the context length the model was trained for
     tie_word_embeddings: bool
     attention_bias: bool = False  # Qwen2: q/k/v projections carry a bias
+    qk_norm: bool = False         # Qwen3: an RMSNorm over each head of q and k, before RoPE
     rope_scaling: RopeScaling | None = None
 
     def __post_init__(self) -> None:
@@ -66,6 +67,8 @@ class ModelConfig:
                 raise ValueError(f"GGUF metadata lacks {arch}.{key}")
             return value
 
+        if arch == "qwen3":
+            raise ValueError("qwen3 GGUF files are not supported; serve the Hugging Face directory")
         if "rope_freqs.weight" in tensor_names or metadata.get(f"{arch}.rope.scaling.type", "none") != "none":
             raise ValueError("RoPE scaling in a GGUF file (rope_freqs, rope.scaling.type) is not supported")
         hidden_size = get("embedding_length")
@@ -93,6 +96,8 @@ class ModelConfig:
         rope_parameters = config.get("rope_scaling") or config.get("rope_parameters") or {}
         rope_theta = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
         num_heads = config["num_attention_heads"]
+        if config.get("use_sliding_window"):
+            raise ValueError("sliding-window attention (use_sliding_window) is not supported")
         return cls(
             architecture=arch,
             vocab_size=config["vocab_size"],
@@ -108,4 +113,5 @@ class ModelConfig:
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             attention_bias=arch == "qwen2" or bool(config.get("attention_bias", False)),
             rope_scaling=RopeScaling.from_hf(rope_parameters),
+            qk_norm=arch == "qwen3",
         )

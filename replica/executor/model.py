@@ -59,6 +59,10 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
+        self.qk_norm = config.qk_norm
         self.scale = self.head_dim ** -0.5
         self.ops = ops
 
@@ -69,8 +73,11 @@ class LlamaAttention(nn.Module):
                 metadata: AttentionMetadata, cos_sin_cache: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         query, key, value = self.qkv_proj(hidden).split(self.shard_sizes(), dim=-1)
-        query = query.view(num_tokens, self.num_heads, self.head_dim)
-        key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
+        query = query.reshape(num_tokens, self.num_heads, self.head_dim)
+        key = key.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            query = self.q_norm(query.reshape(-1, self.head_dim)).view(query.shape)
+            key = self.k_norm(key.reshape(-1, self.head_dim)).view(key.shape)
         value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
         query, key = self.ops.apply_rotary(query, key, positions, cos_sin_cache)
         out = self._paged_attention(query, key, value, kv_cache, metadata)

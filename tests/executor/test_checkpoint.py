@@ -39,18 +39,20 @@ def test_hf_config_fields():
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "RoPE scaling 'llama3' lacks 'low_freq_factor'"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "RoPE scaling 'yarn' is not supported"),
     ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "RoPE scaling 'dynamic' is not supported"),
+    ({"model_type": "qwen3", "use_sliding_window": True}, "sliding-window attention"),
 ])
 def test_hf_config_rejects_what_the_model_cannot_run(change, error):
     with pytest.raises(ValueError, match=error):
         ModelConfig.from_hf_config({**HF_CONFIG, **change})
 
 
-@pytest.mark.parametrize("metadata, tensor_names", [
-    ({"llama.rope.scaling.type": "linear"}, set()),
-    ({}, {"rope_freqs.weight"}),  # llama.cpp's Llama 3.1 frequency factors
+@pytest.mark.parametrize("metadata, tensor_names, error", [
+    ({"llama.rope.scaling.type": "linear"}, set(), "RoPE scaling in a GGUF file"),
+    ({}, {"rope_freqs.weight"}, "RoPE scaling in a GGUF file"),  # llama.cpp's Llama 3.1 frequency factors
+    ({"general.architecture": "qwen3"}, set(), "qwen3 GGUF files are not supported"),
 ])
-def test_gguf_rope_scaling_is_refused(metadata, tensor_names):
-    with pytest.raises(ValueError, match="RoPE scaling in a GGUF file"):
+def test_gguf_what_the_engine_cannot_run_is_refused(metadata, tensor_names, error):
+    with pytest.raises(ValueError, match=error):
         ModelConfig.from_gguf_metadata({"general.architecture": "llama", **metadata}, tensor_names)
 
 

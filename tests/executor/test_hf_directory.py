@@ -29,6 +29,8 @@ MODELS = {
     "linear_rope": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
         **SHAPE, tie_word_embeddings=False, rope_scaling={"rope_type": "linear", "factor": 4.0})),
     "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SHAPE, tie_word_embeddings=True)),
+    "qwen3": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(  # head_dim 32, not 64 / 4
+        **SHAPE, head_dim=32, tie_word_embeddings=True)),
 }
 PROMPTS = ["hello world", "The quick brown fox jumps over"]
 
@@ -50,6 +52,8 @@ def save_model(kind: str, tmp_path_factory):
         for name, param in hf_model.named_parameters():
             if name.endswith("bias"):  # transformers starts them at zero
                 param.normal_(std=0.3)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):  # and these at one
+                param.normal_(mean=1.0, std=0.3)
     directory = tmp_path_factory.mktemp(kind)
     hf_model.save_pretrained(directory)
     byte_tokenizer_backend().save(str(directory / "tokenizer.json"))
@@ -62,8 +66,10 @@ def test_config_and_tokenizer_come_from_the_directory(model_dir):
     directory, hf_model = model_dir
     checkpoint = load_checkpoint(str(directory))
     config = checkpoint.config
-    assert (config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == (2, 4, 2, 16)
+    assert (config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == (
+        2, 4, 2, 32 if directory.name.startswith("qwen3") else 16)
     assert config.attention_bias == (directory.name.startswith("qwen2"))
+    assert config.qk_norm == (directory.name.startswith("qwen3"))
     assert config.tie_word_embeddings == hf_model.config.tie_word_embeddings
     tokenizer = checkpoint.tokenizer
     assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (256, 257)
