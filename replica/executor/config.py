@@ -98,6 +98,11 @@ class ModelConfig:
         num_heads = config["num_attention_heads"]
         if config.get("use_sliding_window"):
             raise ValueError("sliding-window attention (use_sliding_window) is not supported")
+        max_position = config.get("max_position_embeddings", 8192)
+        if arch == "mistral" and config.get("sliding_window"):
+            # attention past the window is not implemented: the context ends there, so longer prompts get
+            # the context-length error instead of attending where the model would not
+            max_position = min(max_position, config["sliding_window"])
         return cls(
             architecture=arch,
             vocab_size=config["vocab_size"],
@@ -109,7 +114,7 @@ class ModelConfig:
             head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
             rope_theta=float(rope_theta),
             rms_norm_eps=float(config["rms_norm_eps"]),
-            max_position=config.get("max_position_embeddings", 8192),
+            max_position=max_position,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             attention_bias=arch == "qwen2" or bool(config.get("attention_bias", False)),
             rope_scaling=RopeScaling.from_hf(rope_parameters),

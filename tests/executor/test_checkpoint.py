@@ -22,6 +22,12 @@ def test_unpermute_undoes_llama_cpp_permutation(shape):
     np.testing.assert_array_equal(_unpermute_rows(llama_cpp_permute(weights, 4), 4), weights)
 
 
+def test_a_mistral_sliding_window_ends_the_context():
+    mistral = {**HF_CONFIG, "model_type": "mistral", "max_position_embeddings": 4096}
+    assert ModelConfig.from_hf_config({**mistral, "sliding_window": 1024}).max_position == 1024
+    assert ModelConfig.from_hf_config({**mistral, "sliding_window": None}).max_position == 4096
+
+
 def test_hf_config_fields():
     config = ModelConfig.from_hf_config({**HF_CONFIG, "max_position_embeddings": 4096})
     assert (config.head_dim, config.num_kv_heads, config.rope_theta, config.max_position) == (16, 2, 5e5, 4096)

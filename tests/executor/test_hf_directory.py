@@ -28,6 +28,8 @@ MODELS = {
         **SHAPE, tie_word_embeddings=False, rope_scaling=LLAMA3_ROPE)),
     "linear_rope": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
         **SHAPE, tie_word_embeddings=False, rope_scaling={"rope_type": "linear", "factor": 4.0})),
+    "mistral": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(
+        **SHAPE, tie_word_embeddings=False, sliding_window=128)),
     "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SHAPE, tie_word_embeddings=True)),
     "qwen3": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(  # head_dim 32, not 64 / 4
         **SHAPE, head_dim=32, tie_word_embeddings=True)),
