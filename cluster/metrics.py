@@ -121,9 +121,9 @@ class RouterCollector(Collector):
         if self.snapshot is None:
             return
         for family, name, attribute, doc in REPLICA_SERIES:
-            metric = family(PREFIX + name, doc, labels=["replica"])
+            metric, value = family(PREFIX + name, doc, labels=["replica"]), operator.attrgetter(attribute)
             for replica_id, replica in sorted(self.snapshot.replicas.items()):
-                metric.add_metric([replica_id], operator.attrgetter(attribute)(replica))
+                metric.add_metric([replica_id], value(replica))
             yield metric
         decisions = CounterMetricFamily(PREFIX + "router_decisions", "Routing decisions by policy and outcome.",
                                         labels=["policy", "outcome"])

@@ -6,6 +6,11 @@ second, as vLLM lays it out.
 import torch
 
 
+def rotary_inv_freq(head_dim: int, theta: float, device: torch.device | str | None = None) -> torch.Tensor:
+    """The plain RoPE inverse frequencies [head_dim / 2], fp32."""
+    return 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+
+
 def rotary_cos_sin(head_dim: int, max_position: int, theta: float,
                    dtype: torch.dtype = torch.float32,
                    device: torch.device | str | None = None, inv_freq: torch.Tensor | None = None) -> torch.Tensor:
@@ -14,7 +19,7 @@ def rotary_cos_sin(head_dim: int, max_position: int, theta: float,
     if head_dim % 2:
         raise ValueError(f"head_dim must be even, got {head_dim}")
     if inv_freq is None:
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+        inv_freq = rotary_inv_freq(head_dim, theta, device)
     positions = torch.arange(max_position, dtype=torch.float32, device=device)
     angles = torch.outer(positions, inv_freq)
     return torch.cat([angles.cos(), angles.sin()], dim=-1).to(dtype)

@@ -93,8 +93,8 @@ class ModelConfig:
     def from_hf_config(cls, config: dict[str, Any]) -> "ModelConfig":
         arch = config.get("model_type", "")
         # transformers 5 moves rope_theta and the scaling into rope_parameters
-        rope_parameters = config.get("rope_scaling") or config.get("rope_parameters") or {}
-        rope_theta = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        rope_parameters = config.get("rope_parameters") or {}
+        rope_theta = config.get("rope_theta") or rope_parameters.get("rope_theta", 10000.0)
         num_heads = config["num_attention_heads"]
         if config.get("use_sliding_window"):
             raise ValueError("sliding-window attention (use_sliding_window) is not supported")
@@ -117,6 +117,6 @@ class ModelConfig:
             max_position=max_position,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             attention_bias=arch == "qwen2" or bool(config.get("attention_bias", False)),
-            rope_scaling=RopeScaling.from_hf(rope_parameters),
+            rope_scaling=RopeScaling.from_hf(config.get("rope_scaling") or rope_parameters),
             qk_norm=arch == "qwen3",
         )

@@ -8,7 +8,7 @@ import torch
 
 from replica.executor.input_batch import BatchInputs, RequestState, order_decodes_first, prepare_inputs
 from replica.executor.model import KVCache, LlamaForCausalLM
-from replica.executor.sampler import SamplingMetadata, sample, top_logprobs
+from replica.executor.sampler import SamplingMetadata, sample
 from replica.scheduler import ModelRunnerOutput, SchedulerOutput
 
 
@@ -36,10 +36,10 @@ class ModelRunner:
             [state.sampling_params for state in sampling],
             {row: state.generator for row, state in enumerate(sampling) if state.generator is not None},
             logits.shape[1], self.device)
-        token_ids, logprobs = sample(logits, metadata)
+        token_ids, logprobs, top = sample(logits, metadata)
         output = self._make_output(batch, sampling, token_ids.tolist(), None if logprobs is None else logprobs.tolist())
-        if metadata.max_top_logprobs:
-            output.top_logprobs = self._top_logprobs(batch, logits, metadata.max_top_logprobs)
+        if top is not None:
+            output.top_logprobs = self._top_logprobs(batch, *top)
         return output
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
@@ -75,9 +75,9 @@ class ModelRunner:
                                  logprobs=None if logprobs is None else sampled_logprobs)
 
     @staticmethod
-    def _top_logprobs(batch: BatchInputs, logits: torch.Tensor, k: int) -> list[list[list[tuple[int, float]]]]:
+    def _top_logprobs(batch: BatchInputs, values: torch.Tensor,
+                      token_ids: torch.Tensor) -> list[list[list[tuple[int, float]]]]:
         """Per request: [the k most likely (token id, logprob) of its sampled token's position], or []."""
-        values, token_ids = top_logprobs(logits, k)
         top: list[list[list[tuple[int, float]]]] = [[] for _ in batch.req_ids]
         for index, row in enumerate(batch.sample_rows):
             top[row] = [list(zip(token_ids[index].tolist(), values[index].tolist()))]

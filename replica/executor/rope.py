@@ -4,13 +4,14 @@ import math
 
 import torch
 
+from kernels.rotary import rotary_inv_freq
 from replica.executor.config import RopeScaling
 
 
 def inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None,
              device: torch.device | str | None = None) -> torch.Tensor:
     """The rotary inverse frequencies [head_dim / 2], fp32."""
-    base = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+    base = rotary_inv_freq(head_dim, theta, device)
     if scaling is None:
         return base
     if scaling.rope_type == "linear":

@@ -1,5 +1,6 @@
 """Batched sampling: greedy, temperature, top-k, top-p, per-request seeds; logprobs of the chosen tokens."""
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -33,8 +34,14 @@ class SamplingMetadata:
         )
 
 
-def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """logits [R, V] fp32 -> (token ids [R], logprobs of those tokens under the raw logits [R] or None)."""
+class Sampled(NamedTuple):
+    token_ids: torch.Tensor                # [R]
+    logprobs: torch.Tensor | None          # [R]: of the sampled tokens under the raw logits; None if not asked
+    top_logprobs: tuple[torch.Tensor, torch.Tensor] | None  # ([R, k] logprobs, [R, k] token ids), likeliest first
+
+
+def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> Sampled:
+    """logits [R, V] fp32 -> the sampled tokens, and the logprobs asked for (k: the most any row asks)."""
     greedy = logits.argmax(dim=-1)
     if metadata.all_greedy:
         token_ids = greedy
@@ -43,15 +50,11 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> tuple[torch.Tens
         scaled = logits / torch.where(temperatures > 0, temperatures, 1.0).unsqueeze(1)
         probs = apply_top_k_top_p(scaled, metadata.top_ks, metadata.top_ps).softmax(dim=-1)
         token_ids = torch.where(temperatures > 0, _random_sample(probs, metadata.generators), greedy)
-    logprobs = None
-    if metadata.needs_logprobs:
-        logprobs = logits.log_softmax(dim=-1).gather(1, token_ids.unsqueeze(1)).squeeze(1)
-    return token_ids, logprobs
-
-
-def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k most likely tokens of each row under the raw logits: (logprobs [R, k], token ids [R, k])."""
-    return logits.log_softmax(dim=-1).topk(k, dim=-1)
+    if not metadata.needs_logprobs:
+        return Sampled(token_ids, None, None)
+    all_logprobs = logits.log_softmax(dim=-1)
+    top = tuple(all_logprobs.topk(metadata.max_top_logprobs, dim=-1)) if metadata.max_top_logprobs else None
+    return Sampled(token_ids, all_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1), top)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None,

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from replica.executor.sampler import SamplingMetadata, sample, top_logprobs
+from replica.executor.sampler import SamplingMetadata, sample
 from replica.request import SamplingParams
 
 PROBS = [0.5, 0.3, 0.2]
@@ -16,7 +16,7 @@ def logits_rows(num_rows: int) -> torch.Tensor:
 def run(logits: torch.Tensor, params: list[SamplingParams], seeds: dict[int, int] | None = None):
     generators = {row: torch.Generator().manual_seed(seed) for row, seed in (seeds or {}).items()}
     metadata = SamplingMetadata.from_params(params, generators, logits.shape[1], torch.device("cpu"))
-    return sample(logits, metadata)
+    return sample(logits, metadata)[:2]  # token ids, logprobs
 
 
 def frequencies(token_ids: torch.Tensor) -> list[float]:
@@ -77,7 +77,8 @@ def test_logprobs_are_of_the_raw_distribution_even_when_sampling():
 
 def test_top_logprobs_are_the_likeliest_tokens_of_the_raw_distribution():
     logits = torch.tensor([[0.0, 2.0, 1.0], [5.0, -1.0, 0.0]])
-    values, token_ids = top_logprobs(logits, 2)
+    params = [SamplingParams(temperature=0, logprobs=True, top_logprobs=2), SamplingParams(temperature=0)]
+    values, token_ids = sample(logits, SamplingMetadata.from_params(params, {}, 3, torch.device("cpu"))).top_logprobs
     assert token_ids.tolist() == [[1, 2], [0, 2]]
     torch.testing.assert_close(values, logits.log_softmax(-1)[[[0, 0], [1, 1]], [[1, 2], [0, 2]]])
 
