@@ -19,6 +19,8 @@ _LAYER_TENSORS = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
@@ -29,6 +31,7 @@ _GLOBAL_TENSORS = {
     "output_norm": "model.norm",
     "output": "lm_head",
 }
+_ROPE_FREQS = "rope_freqs.weight"
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # llama.cpp permutes these rows for its interleaved-pair RoPE (only for the "llama" architecture)
 _PERMUTED = {"attn_q": "num_heads", "attn_k": "num_kv_heads"}
@@ -47,13 +50,18 @@ def read_metadata(path: str) -> dict[str, Any]:
 
 
 def read_config(path: str, metadata: dict[str, Any]) -> ModelConfig:
-    return ModelConfig.from_gguf_metadata(metadata, {t.name for t in open_gguf(path).tensors})
+    tensors = {tensor.name: tensor for tensor in open_gguf(path).tensors}
+    rope_freqs = tensors.get(_ROPE_FREQS)
+    return ModelConfig.from_gguf_metadata(
+        metadata, set(tensors), tuple(rope_freqs.data.tolist()) if rope_freqs is not None else ())
 
 
 def iter_arrays(path: str, config: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
     """(HF name, array) for every tensor, with llama.cpp's Q/K row permutation undone."""
     from gguf.quants import dequantize
     for tensor in open_gguf(path).tensors:
+        if tensor.name == _ROPE_FREQS:  # read into the config's RoPE scaling
+            continue
         array = dequantize(tensor.data, tensor.tensor_type)
         hf_name, permuted_heads = _hf_name(tensor.name, config)
         if permuted_heads:

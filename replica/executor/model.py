@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import KernelOps, rotary_cos_sin
+from kernels import KernelOps
 from replica.executor import rope
 from replica.executor.config import ModelConfig
 from replica.executor.packed_linear import PackedLinear
@@ -146,9 +146,7 @@ class LlamaForCausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.packed_lm_head: PackedLinear | None = None
-        self.cos_sin_cache = rotary_cos_sin(
-            config.head_dim, config.max_position, config.rope_theta, dtype=torch.float32, device=device,
-            inv_freq=rope.inv_freq(config.head_dim, config.rope_theta, config.rope_scaling, device))
+        self.cos_sin_cache = rope.cos_sin_cache(config, device)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

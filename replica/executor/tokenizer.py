@@ -82,7 +82,7 @@ class Tokenizer:
 
 def _byte_level_bpe(metadata: dict[str, Any]) -> BackendTokenizer:
     tokens: list[str] = metadata["tokenizer.ggml.tokens"]
-    merges = [tuple(merge.split(" ", 1)) for merge in metadata["tokenizer.ggml.merges"]]
+    merges = [tuple(merge.split(" ", 1)) for merge in metadata.get("tokenizer.ggml.merges", ())]
     pre = metadata.get("tokenizer.ggml.pre", "default")
     backend = BackendTokenizer(BPE(vocab={token: i for i, token in enumerate(tokens)}, merges=merges,
                                    ignore_merges=pre in ("llama-bpe", "llama3")))

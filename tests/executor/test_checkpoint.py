@@ -1,19 +1,20 @@
 import numpy as np
 import pytest
+import torch
 
 from replica.executor.checkpoint import load_checkpoint
 from replica.executor.config import ModelConfig
 from replica.executor.gguf_loader import _unpermute_rows
+from tests.executor.gguf_writer import llama_cpp_permute
 
 HF_CONFIG = {"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
              "rope_theta": 500000.0}
 
 
-def llama_cpp_permute(weights: np.ndarray, num_heads: int) -> np.ndarray:
-    """convert_hf_to_gguf.py's LlamaModel.permute, which the loader must undo."""
-    return (weights.reshape(num_heads, 2, weights.shape[0] // num_heads // 2, *weights.shape[1:])
-            .swapaxes(1, 2).reshape(weights.shape))
+GGUF_METADATA = {"general.architecture": "llama", "llama.embedding_length": 64, "llama.attention.head_count": 4,
+                 "llama.feed_forward_length": 128, "llama.block_count": 2, "llama.context_length": 256,
+                 "llama.attention.layer_norm_rms_epsilon": 1e-5, "llama.vocab_size": 100}
 
 
 @pytest.mark.parametrize("shape", [(4 * 8, 5), (4 * 8,)])
@@ -41,10 +42,10 @@ def test_hf_config_fields():
 @pytest.mark.parametrize("change, error", [
     ({"model_type": "gpt2"}, "unsupported architecture"),
     ({"num_key_value_heads": 3}, "do not split"),
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "RoPE scaling"),
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "RoPE scaling 'llama3' lacks 'low_freq_factor'"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "RoPE scaling 'yarn' is not supported"),
-    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "RoPE scaling 'dynamic' is not supported"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "RoPE scaling 'llama3' lacks"),
+    ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0}}, "RoPE scaling 'longrope' is not supported"),
+    ({"rope_scaling": {"type": "yarn", "factor": 2.0, "short_factor": [1]}}, r"keys \['short_factor'\]"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}}, "partial rotary"),
     ({"model_type": "qwen3", "use_sliding_window": True}, "sliding-window attention"),
 ])
 def test_hf_config_rejects_what_the_model_cannot_run(change, error):
@@ -52,14 +53,65 @@ def test_hf_config_rejects_what_the_model_cannot_run(change, error):
         ModelConfig.from_hf_config({**HF_CONFIG, **change})
 
 
-@pytest.mark.parametrize("metadata, tensor_names, error", [
-    ({"llama.rope.scaling.type": "linear"}, set(), "RoPE scaling in a GGUF file"),
-    ({}, {"rope_freqs.weight"}, "RoPE scaling in a GGUF file"),  # llama.cpp's Llama 3.1 frequency factors
-    ({"general.architecture": "qwen3"}, set(), "qwen3 GGUF files are not supported"),
+@pytest.mark.parametrize("scaling, context_length", [
+    ({"rope_type": "linear", "factor": 2.0}, 8192),
+    ({"type": "dynamic", "factor": 4.0}, 16384),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}, 4096),
+    ({"rope_type": "yarn", "factor": 4.0}, 16384),  # transformers' default original: max_position_embeddings
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 1024}, 4096),
 ])
-def test_gguf_what_the_engine_cannot_run_is_refused(metadata, tensor_names, error):
+def test_scaled_rope_sets_the_context_length_as_vllm_does(scaling, context_length):
+    config = ModelConfig.from_hf_config({**HF_CONFIG, "max_position_embeddings": 4096, "rope_scaling": scaling})
+    assert config.max_position == context_length
+
+
+def test_yarn_attention_factor():
+    yarn = {"rope_type": "yarn", "factor": 4.0}
+    assert ModelConfig.from_hf_config({**HF_CONFIG, "rope_scaling": yarn}).rope_scaling.attention_factor == (
+        pytest.approx(0.1 * np.log(4.0) + 1))
+    given = ModelConfig.from_hf_config({**HF_CONFIG, "rope_scaling": {**yarn, "attention_factor": 0.5}})
+    assert given.rope_scaling.attention_factor == 0.5
+    ratio = ModelConfig.from_hf_config({**HF_CONFIG, "rope_scaling": {**yarn, "mscale": 2, "mscale_all_dim": 1}})
+    assert ratio.rope_scaling.attention_factor == pytest.approx((0.2 * np.log(4.0) + 1) / (0.1 * np.log(4.0) + 1))
+
+
+def test_dynamic_ntk_frequencies_are_transformers_at_the_scaled_context():
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from replica.executor import rope
+    hf_config = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=256,
+                                         rope_theta=5000.0, rope_scaling={"rope_type": "dynamic", "factor": 4.0})
+    theirs, _ = ROPE_INIT_FUNCTIONS["dynamic"](hf_config, seq_len=1024)
+    config = ModelConfig.from_hf_config({**HF_CONFIG, **hf_config.to_dict()})
+    assert config.max_position == 1024
+    torch.testing.assert_close(rope.inv_freq(16, 5000.0, config.rope_scaling), theirs)
+
+
+def test_gguf_rope_scaling():
+    def config(**metadata):
+        return ModelConfig.from_gguf_metadata({**GGUF_METADATA, **metadata}, set())
+
+    linear = config(**{"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.0})
+    assert (linear.rope_scaling.rope_type, linear.rope_scaling.factor, linear.max_position) == ("linear", 2.0, 512)
+    yarn = config(**{"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
+                     "llama.rope.scaling.original_context_length": 128})
+    assert (yarn.rope_scaling.original_max_position, yarn.max_position) == (128, 512)
+    assert yarn.rope_scaling.attention_factor == pytest.approx(0.1 * np.log(4.0) + 1)
+    factors = ModelConfig.from_gguf_metadata(GGUF_METADATA, {"rope_freqs.weight"}, rope_freqs=(1.0, 2.0))
+    assert (factors.rope_scaling.freq_factors, factors.max_position) == ((1.0, 2.0), 256)
+
+
+@pytest.mark.parametrize("metadata, rope_freqs, error", [
+    ({"llama.rope.scaling.type": "longrope"}, (), "GGUF RoPE scaling 'longrope' is not supported"),
+    ({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.attn_factor": 2.0}, (), r"keys \['attn_factor'\]"),
+    ({"llama.rope.scaling.type": "linear"}, (1.0,), "both rope_freqs and RoPE scaling 'linear'"),
+    ({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0}, (), "'yarn' lacks"),
+    ({"llama.rope.dimension_count": 8}, (), "partial rotary"),
+])
+def test_gguf_what_the_engine_cannot_run_is_refused(metadata, rope_freqs, error):
     with pytest.raises(ValueError, match=error):
-        ModelConfig.from_gguf_metadata({"general.architecture": "llama", **metadata}, tensor_names)
+        ModelConfig.from_gguf_metadata({**GGUF_METADATA, **metadata}, set(), rope_freqs)
 
 
 def test_bad_model_path_raises(tmp_path):

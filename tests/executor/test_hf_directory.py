@@ -1,6 +1,7 @@
-"""Loading a Hugging Face directory (config.json + safetensors + tokenizer.json): tiny random Llama
-(untied LM head; plain, llama3-scaled and linearly scaled RoPE) and Qwen2 (q/k/v biases, tied head)
-saved by transformers, checked against it."""
+"""Tiny random models saved by transformers, loaded from the HF directory (config.json + safetensors +
+tokenizer.json) and from the GGUF file convert_hf_to_gguf would write, checked against transformers:
+Llama (untied LM head; plain, llama3, linear and YaRN RoPE), Mistral, Qwen2 (q/k/v biases, tied head)
+and Qwen3 (q/k norm, own head_dim)."""
 import json
 
 import pytest
@@ -11,6 +12,7 @@ from replica.engine import LLM
 from replica.executor.checkpoint import load_checkpoint
 from replica.executor.weights import build_model
 from replica.request import SamplingParams
+from tests.executor.gguf_writer import write_gguf
 from tests.executor.helpers import byte_tokenizer_backend, last_position_logits
 
 transformers = pytest.importorskip("transformers")
@@ -28,18 +30,47 @@ MODELS = {
         **SHAPE, tie_word_embeddings=False, rope_scaling=LLAMA3_ROPE)),
     "linear_rope": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
         **SHAPE, tie_word_embeddings=False, rope_scaling={"rope_type": "linear", "factor": 4.0})),
+    "yarn_rope": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **SHAPE, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})),
     "mistral": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(
         **SHAPE, tie_word_embeddings=False, sliding_window=128)),
     "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SHAPE, tie_word_embeddings=True)),
     "qwen3": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(  # head_dim 32, not 64 / 4
         **SHAPE, head_dim=32, tie_word_embeddings=True)),
 }
-PROMPTS = ["hello world", "The quick brown fox jumps over"]
+PROMPTS = ["hello world", "The quick brown fox jumps over", "The quick brown fox jumps over the lazy dog"]
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
 def model_dir(request, tmp_path_factory):
     return save_model(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(model_dir) -> dict[tuple[int, ...], list[int]]:
+    """transformers' 8 greedy tokens after each prompt, EOS included (as ignore_eos generates)."""
+    directory, hf_model = model_dir
+    reference = {}
+    with torch.inference_mode():
+        for prompt in map(load_checkpoint(str(directory)).tokenizer.encode, PROMPTS):
+            token_ids = list(prompt)
+            for _ in range(8):
+                token_ids.append(int(hf_model(torch.tensor([token_ids])).logits[0, -1].argmax()))
+            reference[tuple(prompt)] = token_ids[len(prompt):]
+    return reference
+
+
+@pytest.fixture(scope="module", params=["hf", "gguf"])
+def checkpoint(request, model_dir):
+    """(path, the transformers model): the HF directory, or a GGUF file written from it."""
+    directory, hf_model = model_dir
+    if request.param == "hf":
+        return directory, hf_model
+    gguf_path = directory / "model.gguf"
+    if not gguf_path.exists():
+        write_gguf(hf_model, byte_tokenizer_backend(), CHAT_TEMPLATE, gguf_path)
+    return gguf_path, hf_model
 
 
 @pytest.fixture(scope="module")
@@ -64,35 +95,46 @@ def save_model(kind: str, tmp_path_factory):
     return directory, hf_model
 
 
-def test_config_and_tokenizer_come_from_the_directory(model_dir):
-    directory, hf_model = model_dir
-    checkpoint = load_checkpoint(str(directory))
-    config = checkpoint.config
+def test_config_and_tokenizer_come_from_the_checkpoint(checkpoint):
+    path, hf_model = checkpoint
+    loaded = load_checkpoint(str(path))
+    config = loaded.config
+    model_type = hf_model.config.model_type
     assert (config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == (
-        2, 4, 2, 32 if directory.name.startswith("qwen3") else 16)
-    assert config.attention_bias == (directory.name.startswith("qwen2"))
-    assert config.qk_norm == (directory.name.startswith("qwen3"))
+        2, 4, 2, 32 if model_type == "qwen3" else 16)
+    assert config.attention_bias == (model_type == "qwen2")
+    assert config.qk_norm == (model_type == "qwen3")
     assert config.tie_word_embeddings == hf_model.config.tie_word_embeddings
-    tokenizer = checkpoint.tokenizer
+    tokenizer = loaded.tokenizer
     assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (256, 257)
     assert tokenizer.render_chat([{"role": "user", "content": "hi"}]) == "<s>user: hi\nassistant:"
     assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])[0] == 256
 
 
-def test_logits_and_greedy_tokens_match_transformers(model_dir):
-    directory, hf_model = model_dir
-    model = build_model(load_checkpoint(str(directory)), dtype=torch.float32, device=torch.device("cpu"),
+def test_logits_match_transformers(checkpoint):
+    path, hf_model = checkpoint
+    model = build_model(load_checkpoint(str(path)), dtype=torch.float32, device=torch.device("cpu"),
                         ops=get_ops("torch"))
-    llm = LLM(str(directory), dtype="float32", num_kv_blocks=32)
-    prompts = [llm.tokenizer.encode(text) for text in PROMPTS]
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-    for prompt, output in zip(prompts, outputs):
+    for prompt in map(load_checkpoint(str(path)).tokenizer.encode, PROMPTS):
         with torch.inference_mode():
             theirs = hf_model(torch.tensor([prompt])).logits[0, -1]
-            continuation = hf_model.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8,
-                                             do_sample=False)
         torch.testing.assert_close(last_position_logits(model, prompt), theirs, atol=1e-4, rtol=1e-4)
-        assert output.token_ids == continuation[0, len(prompt):].tolist()
+
+
+def test_greedy_tokens_match_transformers_batched_chunked_preempted_and_cached(checkpoint, greedy_reference):
+    path, _ = checkpoint
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    batched = LLM(str(path), dtype="float32", num_kv_blocks=32)
+    prompts = [batched.tokenizer.encode(text) for text in PROMPTS]
+    expected = [greedy_reference[tuple(prompt)] for prompt in prompts]
+    assert [output.token_ids for output in batched.generate(prompts, params)] == expected
+    # 6 usable blocks of 16 for sequences that grow to 2, 3 and 4 blocks; prefills in chunks of 8 tokens
+    tight = LLM(str(path), dtype="float32", num_kv_blocks=7, max_num_batched_tokens=8, reserve_full_sequence=False)
+    assert [output.token_ids for output in tight.generate(prompts, params)] == expected
+    assert tight.engine.stats().num_preemptions > 0
+    again = tight.generate(prompts, params)
+    assert [output.token_ids for output in again] == expected
+    assert [output.num_cached_tokens for output in again] == [0, 16, 32]
 
 
 @pytest.mark.slow
