@@ -143,6 +143,9 @@ class ModelConfig:
         rope_parameters = config.get("rope_parameters") or {}
         rope_theta = config.get("rope_theta") or rope_parameters.get("rope_theta", 10000.0)
         num_heads = config["num_attention_heads"]
+        if quantization := config.get("quantization_config"):
+            raise ValueError(f"quantized checkpoints ({quantization.get('quant_method', 'unknown method')!r}) "
+                             "are not supported; serve the unquantized model or a GGUF file")
         if config.get("use_sliding_window"):
             raise ValueError("sliding-window attention (use_sliding_window) is not supported")
         max_position = config.get("max_position_embeddings", 8192)

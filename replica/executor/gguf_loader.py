@@ -62,7 +62,11 @@ def iter_arrays(path: str, config: ModelConfig) -> Iterator[tuple[str, np.ndarra
     for tensor in open_gguf(path).tensors:
         if tensor.name == _ROPE_FREQS:  # read into the config's RoPE scaling
             continue
-        array = dequantize(tensor.data, tensor.tensor_type)
+        try:
+            array = dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError:
+            raise ValueError(f"GGUF tensor {tensor.name!r} has type {tensor.tensor_type.name}, "
+                             "which the engine cannot dequantize") from None
         hf_name, permuted_heads = _hf_name(tensor.name, config)
         if permuted_heads:
             array = _unpermute_rows(array, permuted_heads)

@@ -47,6 +47,7 @@ def test_hf_config_fields():
     ({"rope_scaling": {"type": "yarn", "factor": 2.0, "short_factor": [1]}}, r"keys \['short_factor'\]"),
     ({"rope_scaling": {"type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}}, "partial rotary"),
     ({"model_type": "qwen3", "use_sliding_window": True}, "sliding-window attention"),
+    ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quantized checkpoints \\('gptq'\\)"),
 ])
 def test_hf_config_rejects_what_the_model_cannot_run(change, error):
     with pytest.raises(ValueError, match=error):
@@ -112,6 +113,20 @@ def test_gguf_rope_scaling():
 def test_gguf_what_the_engine_cannot_run_is_refused(metadata, rope_freqs, error):
     with pytest.raises(ValueError, match=error):
         ModelConfig.from_gguf_metadata({**GGUF_METADATA, **metadata}, set(), rope_freqs)
+
+
+def test_a_gguf_tensor_type_without_dequantization_is_named(tmp_path):
+    import gguf
+    from replica.executor import gguf_loader
+    writer = gguf.GGUFWriter(str(tmp_path / "f64.gguf"), "llama")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float64))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    config = ModelConfig.from_gguf_metadata(GGUF_METADATA, set())
+    with pytest.raises(ValueError, match="'token_embd.weight' has type F64, which the engine cannot dequantize"):
+        list(gguf_loader.iter_arrays(str(tmp_path / "f64.gguf"), config))
 
 
 def test_bad_model_path_raises(tmp_path):
