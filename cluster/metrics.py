@@ -99,6 +99,8 @@ REPLICA_SERIES = [
      "Prompt tokens of next turns (their program's previous turn finished here) looked up, continuum."),
     (CounterMetricFamily, "next_turn_prefix_cache_hits", "stats.pins.next_turn_hits",
      "Of those, tokens found in the prefix cache."),
+    (GaugeMetricFamily, "kv_cached_blocks", "stats.num_cached_blocks",
+     "Blocks in the engine's prefix cache, which the router's index mirrors."),
     (GaugeMetricFamily, "router_index_blocks", "index_blocks", "Blocks the router believes the replica caches."),
     (GaugeMetricFamily, "router_requests_in_flight", "num_in_flight",
      "Requests routed to the replica and not finished."),

@@ -73,4 +73,5 @@ class SchedulerStats:
     prefix_cache_hits: int     # tokens found in the prefix cache, cumulative
     num_prefill_tokens_pending: int = 0  # tokens of running and waiting requests still to prefill (or recompute)
     num_free_blocks: int = 0             # blocks a new request can take: free ones and evictable cached ones
+    num_cached_blocks: int = 0           # blocks in the prefix cache's hash map: what the router's index mirrors
     pins: PinStats = field(default_factory=PinStats)

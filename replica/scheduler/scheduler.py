@@ -315,6 +315,7 @@ class Scheduler:
             prefix_cache_hits=self.prefix_cache_hits,
             num_prefill_tokens_pending=sum(map(_prefill_tokens_pending, itertools.chain(self.running, self.waiting))),
             num_free_blocks=self.kv_cache_manager.block_pool.get_num_free_blocks(),
+            num_cached_blocks=len(self.kv_cache_manager.block_pool.cached_block_hash_to_block),
             pins=self._pin_keeper.snapshot(),
         )
 

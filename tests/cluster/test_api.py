@@ -357,7 +357,7 @@ def test_models_lists_the_served_model():
 
 def test_metrics_have_one_series_per_replica():
     stats = SchedulerStats(num_running=2, num_waiting=1, kv_usage=0.25, num_preemptions=3, prefix_cache_queries=40,
-                           prefix_cache_hits=16, pins=PinStats(12, 9, 6, 2, 1, 300, 240))
+                           prefix_cache_hits=16, num_cached_blocks=5, pins=PinStats(12, 9, 6, 2, 1, 300, 240))
     snapshot = RouterSnapshot("prefix", {"replica-a": ReplicaSnapshot(stats, 5, 2, 32, 16, 3)},
                               {"prefix_hit": 4, "no_hit": 1})
     app = make_app(FakeEngineClient("replica-a"), snapshot=snapshot)
@@ -370,7 +370,7 @@ def test_metrics_have_one_series_per_replica():
         "num_preemptions_total": 3.0, "prefix_cache_queries_total": 40.0, "prefix_cache_hits_total": 16.0,
         "pinned_blocks": 12.0, "pins_total": 9.0, "pin_hits_total": 6.0, "pins_expired_total": 2.0,
         "pins_released_total": 1.0, "next_turn_prefix_cache_queries_total": 300.0,
-        "next_turn_prefix_cache_hits_total": 240.0, "router_index_blocks": 5.0, "router_requests_in_flight": 2.0,
+        "next_turn_prefix_cache_hits_total": 240.0, "kv_cached_blocks": 5.0, "router_index_blocks": 5.0, "router_requests_in_flight": 2.0,
         "router_parked_sessions": 3.0, "router_predicted_cached_tokens_total": 32.0,
         "router_actual_cached_tokens_total": 16.0,
     }

@@ -87,6 +87,7 @@ def test_prefix_hit_recorded_on_first_schedule_and_in_stats(make_request):
     assert scheduler.requests["b"].num_cached_tokens == 8
     stats = scheduler.make_stats()
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (20, 8)
+    assert stats.num_cached_blocks == 2  # a's two full blocks, which b shares
 
 
 def test_same_step_identical_prompts_share_blocks(make_request):
