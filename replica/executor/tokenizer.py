@@ -32,11 +32,13 @@ class Tokenizer:
     def from_gguf_metadata(cls, metadata: dict[str, Any]) -> "Tokenizer":
         model = metadata.get("tokenizer.ggml.model")
         if model not in _GGUF_TOKENIZER_MODELS:
-            raise ValueError(f"GGUF tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2'); "
-                             "load the model from a Hugging Face directory with tokenizer.json instead")
+            raise ValueError(f"GGUF tokenizer model {model!r} is not supported (only 'gpt2', byte-level BPE, and "
+                             "'llama', SentencePiece); load the model from a Hugging Face directory with "
+                             "tokenizer.json instead")
         backend = _GGUF_TOKENIZER_MODELS[model](metadata)
         _add_vocabulary_tokens(backend, metadata)
-        backend.post_processor = _bos_eos_processor(metadata, add_bos_by_default=False)
+        # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say
+        backend.post_processor = _bos_eos_processor(metadata, add_bos_by_default=model == "llama")
         return cls(backend, bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
                    eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
                    chat_template=metadata.get("tokenizer.chat_template"))
@@ -105,7 +107,33 @@ def _byte_level_bpe(metadata: dict[str, Any]) -> BackendTokenizer:
     return backend
 
 
-_GGUF_TOKENIZER_MODELS = {"gpt2": _byte_level_bpe}
+def _sentencepiece_bpe(metadata: dict[str, Any]) -> BackendTokenizer:
+    """llama.cpp's SPM tokenizer: a BPE that merges the pair whose joined piece scores highest, with byte
+    fallback. A space becomes "▁", and one "▁" is prepended to each stretch of text between added tokens."""
+    tokens: list[str] = metadata["tokenizer.ggml.tokens"]
+    vocab = {token: i for i, token in enumerate(tokens)}
+    unknown_id = metadata.get("tokenizer.ggml.unknown_token_id")
+    backend = BackendTokenizer(BPE(vocab=vocab, merges=_merges_by_score(vocab, metadata["tokenizer.ggml.scores"]),
+                                   unk_token=None if unknown_id is None else tokens[unknown_id],
+                                   fuse_unk=True, byte_fallback=True))
+    add_space_prefix = metadata.get("tokenizer.ggml.add_space_prefix", True)
+    prefix = [normalizers.Prepend("▁")] if add_space_prefix else []
+    backend.normalizer = normalizers.Sequence([*prefix, normalizers.Replace(" ", "▁")])
+    strip_prefix = [decoders.Strip(" ", 1, 0)] if add_space_prefix else []
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         *strip_prefix])
+    return backend
+
+
+def _merges_by_score(vocab: dict[str, int], scores: list[float]) -> list[tuple[str, str]]:
+    """Every split of a piece into two pieces, the highest-scoring piece's splits first."""
+    splits = [(-scores[token_id], piece[:cut], piece[cut:]) for piece, token_id in vocab.items()
+              for cut in range(1, len(piece)) if piece[:cut] in vocab and piece[cut:] in vocab]
+    splits.sort(key=lambda split: split[0])
+    return [(left, right) for _, left, right in splits]
+
+
+_GGUF_TOKENIZER_MODELS = {"gpt2": _byte_level_bpe, "llama": _sentencepiece_bpe}
 
 
 def _add_vocabulary_tokens(backend: BackendTokenizer, metadata: dict[str, Any]) -> None:
