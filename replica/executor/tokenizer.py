@@ -9,7 +9,7 @@ from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers,
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.models import BPE
 
-_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+_UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4  # llama.cpp token types
 
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -31,10 +31,15 @@ class Tokenizer:
     @classmethod
     def from_gguf_metadata(cls, metadata: dict[str, Any]) -> "Tokenizer":
         model = metadata.get("tokenizer.ggml.model")
-        if model != "gpt2":
-            raise ValueError(f"GGUF tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2'); "
-                             "load the model from a Hugging Face directory with tokenizer.json instead")
-        return cls(_byte_level_bpe(metadata), bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
+        if model not in _GGUF_TOKENIZER_MODELS:
+            raise ValueError(f"GGUF tokenizer model {model!r} is not supported (only 'gpt2', byte-level BPE, and "
+                             "'llama', SentencePiece); load the model from a Hugging Face directory with "
+                             "tokenizer.json instead")
+        backend = _GGUF_TOKENIZER_MODELS[model](metadata)
+        _add_vocabulary_tokens(backend, metadata)
+        # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say
+        backend.post_processor = _bos_eos_processor(metadata, add_bos_by_default=model == "llama")
+        return cls(backend, bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
                    eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
                    chat_template=metadata.get("tokenizer.chat_template"))
 
@@ -99,17 +104,60 @@ def _byte_level_bpe(metadata: dict[str, Any]) -> BackendTokenizer:
     if pre == "qwen2":
         backend.normalizer = normalizers.NFC()
     backend.decoder = decoders.ByteLevel()
-    token_types = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    backend.add_special_tokens([AddedToken(token, special=True, normalized=False)
-                                for token, kind in zip(tokens, token_types) if kind == _CONTROL])
-    backend.add_tokens([AddedToken(token, normalized=False)
-                        for token, kind in zip(tokens, token_types) if kind == _USER_DEFINED])
-    bos_token_id = metadata.get("tokenizer.ggml.bos_token_id")
-    if metadata.get("tokenizer.ggml.add_bos_token") and bos_token_id is not None:
-        bos = tokens[bos_token_id]
-        backend.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", special_tokens=[(bos, bos_token_id)])
     return backend
+
+
+def _sentencepiece_bpe(metadata: dict[str, Any]) -> BackendTokenizer:
+    """llama.cpp's SPM tokenizer: a BPE that merges the pair whose joined piece scores highest, with byte
+    fallback. A space becomes "▁", and one "▁" is prepended to each stretch of text between added tokens."""
+    tokens: list[str] = metadata["tokenizer.ggml.tokens"]
+    vocab = {token: i for i, token in enumerate(tokens)}
+    unknown_id = metadata.get("tokenizer.ggml.unknown_token_id")
+    backend = BackendTokenizer(BPE(vocab=vocab, merges=_merges_by_score(vocab, metadata["tokenizer.ggml.scores"]),
+                                   unk_token=None if unknown_id is None else tokens[unknown_id],
+                                   fuse_unk=True, byte_fallback=True))
+    add_space_prefix = metadata.get("tokenizer.ggml.add_space_prefix", True)
+    prefix = [normalizers.Prepend("▁")] if add_space_prefix else []
+    backend.normalizer = normalizers.Sequence([*prefix, normalizers.Replace(" ", "▁")])
+    strip_prefix = [decoders.Strip(" ", 1, 0)] if add_space_prefix else []
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         *strip_prefix])
+    return backend
+
+
+def _merges_by_score(vocab: dict[str, int], scores: list[float]) -> list[tuple[str, str]]:
+    """Every split of a piece into two pieces, the highest-scoring piece's splits first."""
+    splits = [(-scores[token_id], piece[:cut], piece[cut:]) for piece, token_id in vocab.items()
+              for cut in range(1, len(piece)) if piece[:cut] in vocab and piece[cut:] in vocab]
+    splits.sort(key=lambda split: split[0])
+    return [(left, right) for _, left, right in splits]
+
+
+_GGUF_TOKENIZER_MODELS = {"gpt2": _byte_level_bpe, "llama": _sentencepiece_bpe}
+
+
+def _add_vocabulary_tokens(backend: BackendTokenizer, metadata: dict[str, Any]) -> None:
+    """Control and unknown tokens as special tokens, user-defined ones as added tokens: llama.cpp finds both
+    whole in the text instead of splitting them."""
+    tokens_and_types = list(zip(metadata["tokenizer.ggml.tokens"], metadata.get("tokenizer.ggml.token_type", ())))
+    backend.add_special_tokens([AddedToken(token, special=True, normalized=False)
+                                for token, kind in tokens_and_types if kind in (_UNKNOWN, _CONTROL)])
+    backend.add_tokens([AddedToken(token, normalized=False)
+                        for token, kind in tokens_and_types if kind == _USER_DEFINED])
+
+
+def _bos_eos_processor(metadata: dict[str, Any], add_bos_by_default: bool) -> processors.TemplateProcessing:
+    """BOS before and EOS after the text, where the file asks for them."""
+    tokens: list[str] = metadata["tokenizer.ggml.tokens"]
+
+    def added(name: str, by_default: bool) -> list[tuple[str, int]]:
+        token_id = metadata.get(f"tokenizer.ggml.{name}_token_id")
+        wanted = metadata.get(f"tokenizer.ggml.add_{name}_token", by_default)
+        return [(tokens[token_id], token_id)] if wanted and token_id is not None else []
+
+    bos, eos = added("bos", add_bos_by_default), added("eos", False)
+    return processors.TemplateProcessing(single=[token for token, _ in bos] + ["$A"] + [token for token, _ in eos],
+                                         special_tokens=bos + eos)
 
 
 def _compile_template(source: str) -> jinja2.Template:
