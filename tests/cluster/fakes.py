@@ -32,7 +32,8 @@ def output_text(index: int) -> str:
 
 class FakeEngineCore:
     """Generates token 100 + i as text "t<i> " until max_tokens; reports a cached-prefix of one block. Asked
-    for logprobs, token i has -(i + 1) / 4, and the runner-up token 33 ("!") 1 less."""
+    for logprobs, token i has -(i + 1) / 4, and the runner-up token 33 ("!") 1 less. Given output tokens
+    (a migrated request), it goes on after them."""
 
     def __init__(self, *, fail_step: bool = False):
         self.requests: dict[str, EngineRequest] = {}  # unfinished
@@ -46,15 +47,15 @@ class FakeEngineCore:
         self._events: list = []
 
     def add_request(self, request_id, prompt_token_ids, params, *, priority=0, cache_salt=None,
-                    arrival_time=None, session_id=None, last_turn=False, block_hashes=()) -> None:
+                    arrival_time=None, session_id=None, last_turn=False, block_hashes=(), output_token_ids=()) -> None:
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
         self.requests[request_id] = EngineRequest(request_id, prompt_token_ids, list(block_hashes), params, cache_salt,
-                                                  priority, session_id, last_turn)
+                                                  priority, session_id, last_turn, list(output_token_ids))
         self.added.append(self.requests[request_id])
-        self.generated[request_id] = 0
+        self.generated[request_id] = len(output_token_ids)
         hashes = hash_token_blocks(prompt_token_ids, BLOCK_SIZE, seed=HASH_SEED)
         new = [block_hash for block_hash in hashes if block_hash not in self.cached]
         self.cached.extend(new)
