@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="requests the ingress holds while no replica has room; more get 429 (default: %(default)s)")
     cluster.add_argument("--max-request-body-bytes", type=int, default=4 * 2**20,
                          help="larger request bodies get 413 (default: %(default)s)")
+    cluster.add_argument("--max-migrations", type=int, default=2,
+                         help="times a request moves to another replica when its own dies mid-request, going on "
+                              "from the tokens produced; then it fails (default: %(default)s; 0: never)")
     cluster.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes "
                                            "(default: $PREFIXSERVE_API_KEY if set)")
 
@@ -89,7 +92,7 @@ def config_from_args(args: argparse.Namespace):
                          routing=args.routing_policy, api_key=args.api_key or os.environ.get(API_KEY_ENV),
                          replica_num_cpus=args.replica_cpus, replica_num_gpus=args.replica_gpus,
                          max_waiting_requests=args.max_waiting_requests, max_queued_requests=args.max_queued_requests,
-                         max_request_body_bytes=args.max_request_body_bytes)
+                         max_request_body_bytes=args.max_request_body_bytes, max_migrations=args.max_migrations)
 
 
 def serve_until_interrupted(config, *, address: str | None, host: str, port: int) -> None:

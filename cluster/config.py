@@ -29,6 +29,8 @@ class ClusterConfig(pydantic.BaseModel):
     max_queued_requests: int = pydantic.Field(1024, ge=1)
     # Larger request bodies get 413.
     max_request_body_bytes: int = pydantic.Field(4 * 2**20, ge=1)
+    # Times a request may move to another replica when its own dies mid-request; then it fails (0: never moves).
+    max_migrations: int = pydantic.Field(2, ge=0)
 
     @property
     def routing_config(self) -> PolicyConfig:

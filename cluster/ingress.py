@@ -5,13 +5,14 @@ from collections.abc import AsyncGenerator
 
 from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
-from ray.serve.exceptions import BackPressureError
+from ray.serve.exceptions import BackPressureError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
 
 from cluster.api import build_api
 from cluster.config import ClusterConfig
 from cluster.metrics import ServingMetrics
-from cluster.serving import EnginesBusy, OpenAIServing
+from cluster.engine_client import EnginesBusy, ReplicaLost
+from cluster.serving import OpenAIServing
 from replica.async_engine import EngineOutput, EngineRequest
 from replica.executor.checkpoint import load_checkpoint
 from router.actor import RouterClient
@@ -39,6 +40,8 @@ class ServeEngineClient:
         except BackPressureError as exc:  # the engine deployment's max_queued_requests, counted in this process
             responses = None  # never sent; cancelling it would raise this again
             raise EnginesBusy(exc.retry_after_s) from None
+        except (RayActorError, ReplicaUnavailableError) as exc:  # died, unreachable, or removed by Serve
+            raise ReplicaLost(str(exc)) from None
         finally:
             if responses is not None:
                 responses.cancel()  # also when the client went away: the replica aborts the request
@@ -51,7 +54,8 @@ class Ingress:
             engine.model_info.remote(), asyncio.to_thread(load_checkpoint, config.engine.model))
         self._router = RouterClient(serve.get_replica_context().app_name, config.routing_config, model.block_size)
         self._metrics = ServingMetrics()
-        self._serving = OpenAIServing(ServeEngineClient(engine), checkpoint.tokenizer, model, self._metrics)
+        self._serving = OpenAIServing(ServeEngineClient(engine), checkpoint.tokenizer, model, self._metrics,
+                                      max_migrations=config.max_migrations)
         self._api_key = config.resolved_api_key()
         self._max_body_bytes = config.max_request_body_bytes
 

@@ -1,7 +1,8 @@
 """Prometheus metrics of the whole app, rendered by the ingress at /metrics, one series per replica.
 
 Two sources meet here. The ingress times every request itself (TTFT, inter-token latency,
-end-to-end latency, token counts) and labels it with the replica that served it. The engine
+end-to-end latency, token counts) and labels it with the replica that served it; it also counts
+the requests it migrated off a lost replica. The engine
 gauges and cache counters, and the router's own series, come from the router actor, which
 receives every replica's stats after each engine step; they are read at scrape time.
 Names mirror vLLM's (vllm:* -> prefixserve:*) with the same meaning.
@@ -30,13 +31,13 @@ class RequestTracker:
 
     def __init__(self, metrics: "ServingMetrics", replica_id: str, arrival_time: float):
         self._metrics = metrics
-        self._replica_id = replica_id
+        self.replica_id = replica_id  # serving the request now: it changes if the request migrates
         self._arrival_time = arrival_time
         self._last_token_time: float | None = None
 
     def observe(self, num_new_tokens: int, num_prompt_tokens: int, finished: bool) -> None:
         now = time.monotonic()
-        metrics, replica_id = self._metrics, self._replica_id
+        metrics, replica_id = self._metrics, self.replica_id
         if num_new_tokens:
             if self._last_token_time is None:
                 metrics.ttft.labels(replica_id).observe(now - self._arrival_time)
@@ -67,6 +68,9 @@ class ServingMetrics:
                              E2E_BUCKETS)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.migrations = Counter(PREFIX + "request_migrations",
+                                  "Requests moved to another replica after theirs was lost mid-request.",
+                                  registry=self.registry)
         self._router = RouterCollector()
         self.registry.register(self._router)
 

@@ -2,8 +2,9 @@
 
 It tokenizes each prompt once (chat template applied), checks it against the model's limits,
 hashes its full blocks exactly as the replicas do (so the router can match them against their
-caches) and hands token ids and hashes to an engine client. Ray-free: the Serve ingress plugs in a
-client that calls the engine deployment; tests plug in a fake.
+caches) and hands token ids and hashes to an engine client, which moves the request to another
+replica if its own is lost (migration.py). Ray-free: the Serve ingress plugs in a client that calls
+the engine deployment; tests plug in a fake.
 """
 import logging
 import math
@@ -16,7 +17,9 @@ from typing import Any, Protocol
 import pydantic
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from cluster.engine_client import EngineClient, EnginesBusy
 from cluster.metrics import RequestTracker, ServingMetrics
+from cluster.migration import MigratingEngineClient
 from cluster.protocol import (REPLICA_HEADER, SSE_DONE, APIError, ChatCompletionRequest, ChatFormat,
                               CompletionFormat, CompletionRequest, ResponseFormat, TokenLogprob, describe, sse,
                               usage)
@@ -27,20 +30,6 @@ from replica.request import SamplingParams
 logger = logging.getLogger("ray.serve.prefixserve.serving")
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
-
-
-class EnginesBusy(Exception):
-    """No engine replica has room, and the ingress's queue for them is full."""
-
-    def __init__(self, retry_after_s: float):
-        super().__init__(f"retry after {retry_after_s} s")
-        self.retry_after_s = retry_after_s
-
-
-class EngineClient(Protocol):
-    def generate(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
-        """An empty output naming the replica serving the request, then its outputs up to a finished one;
-        EnginesBusy instead of the first when there is no room for it."""
 
 
 class Tokenizer(Protocol):
@@ -65,10 +54,14 @@ class _Progress:
 
     def add(self, output: EngineOutput) -> list[TokenLogprob] | None:
         """Takes the output in; returns its tokens with their logprobs, if the request asked for them."""
+        if output.replica_id is not None:  # migrated: another replica's part of the stream opens
+            self.tracker.replica_id = output.replica_id
+            return None
+        if not self.num_tokens:  # the prompt's hit; a migrated request's later hits cover its output too
+            self.num_cached_tokens = output.num_cached_tokens
         self.text.append(output.new_text)
         self.num_tokens += len(output.new_token_ids)
         self.num_prompt_tokens = output.num_prompt_tokens
-        self.num_cached_tokens = output.num_cached_tokens
         self.finish_reason = output.finish_reason
         self.tracker.observe(len(output.new_token_ids), output.num_prompt_tokens, output.finished)
         if self.logprobs is None:
@@ -84,8 +77,10 @@ class _Progress:
 
 
 class OpenAIServing:
-    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, model: ModelInfo, metrics: ServingMetrics):
-        self.engine = engine
+    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, model: ModelInfo, metrics: ServingMetrics, *,
+                 max_migrations: int = 0):
+        """max_migrations: how many times a request may move to another replica when its own is lost."""
+        self.engine = MigratingEngineClient(engine, model, max_migrations, metrics.migrations.inc)
         self.tokenizer = tokenizer
         self.model = model
         self.metrics = metrics
@@ -132,13 +127,13 @@ class OpenAIServing:
                            headers={"Retry-After": str(math.ceil(exc.retry_after_s))}) from None
         progress = _Progress(RequestTracker(self.metrics, replica_id, arrival_time), self._token_text,
                              [] if params.logprobs else None)
-        headers = {REPLICA_HEADER: replica_id}
         if body.stream:
             return StreamingResponse(self._stream(outputs, response_format, progress, body.include_usage),
-                                     media_type="text/event-stream", headers=headers)
+                                     media_type="text/event-stream", headers={REPLICA_HEADER: replica_id})
         await self._collect(outputs, progress)
         return JSONResponse(response_format.response("".join(progress.text), progress.finish_reason,
-                                                     progress.usage(), progress.logprobs), headers=headers)
+                                                     progress.usage(), progress.logprobs),
+                            headers={REPLICA_HEADER: progress.tracker.replica_id})  # the last, if it migrated
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

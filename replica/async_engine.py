@@ -36,12 +36,18 @@ class EngineRequest:
     """A tokenized request as the ingress hands it to an engine replica (and the router reads it)."""
     request_id: str
     prompt_token_ids: list[int]
-    block_hashes: list[BlockHash]  # chained hashes of the prompt's full blocks, as the replicas hash them
+    block_hashes: list[BlockHash]  # chained hashes of the full blocks of prompt + output, as the replicas hash them
     params: SamplingParams
     cache_salt: str | None = None
     priority: int = 0
     session_id: str | None = None  # the conversation or agent program it is a turn of
     last_turn: bool = False  # the program's last: under the continuum policy, nothing to pin its blocks for
+    output_token_ids: list[int] = field(default_factory=list)  # generated on a replica that was lost
+
+    @property
+    def num_tokens(self) -> int:
+        """The tokens a replica computes before it generates: the prompt, and any output migrated with it."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
 
 @dataclass
@@ -195,7 +201,7 @@ class AsyncEngine:
             self.core.add_request(request.request_id, request.prompt_token_ids, request.params,
                                   priority=request.priority, cache_salt=request.cache_salt,
                                   session_id=request.session_id, last_turn=request.last_turn,
-                                  block_hashes=request.block_hashes)
+                                  block_hashes=request.block_hashes, output_token_ids=request.output_token_ids)
         except ValueError as exc:
             queue.put_nowait(exc)
             return

@@ -108,21 +108,23 @@ class EngineCore:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None,
                     session_id: str | None = None, last_turn: bool = False,
-                    block_hashes: Sequence[BlockHash] = ()) -> None:
+                    block_hashes: Sequence[BlockHash] = (), output_token_ids: Sequence[int] = ()) -> None:
         """Queue a request; ValueError (and nothing queued) on bad input.
 
-        block_hashes: the chain of the prompt's full blocks, or a prefix of it, hashed as this engine's
-        KVCacheManager does (the ingress hashes once for the router and the replica)."""
+        block_hashes: the chain of the full blocks of prompt + output, or a prefix of it, hashed as this
+        engine's KVCacheManager does (the ingress hashes once for the router and the replica).
+        output_token_ids: what it generated on a replica that was lost (see Request); this engine's
+        outputs continue after them, in tokens and in text."""
         request = Request(request_id, prompt_token_ids, params, priority=priority, arrival_time=arrival_time,
                           cache_salt=cache_salt, eos_token_id=self.tokenizer.eos_token_id, session_id=session_id,
-                          last_turn=last_turn, block_hashes=block_hashes)
-        if max(request.prompt_token_ids) >= self.model_config.vocab_size:
-            raise ValueError(f"prompt token ids must be integers in [0, {self.model_config.vocab_size})")
-        if len(block_hashes) > request.num_prompt_tokens // self.config.cache.block_size:
-            raise ValueError(f"{len(block_hashes)} block hashes for {request.num_prompt_tokens} prompt tokens")
+                          last_turn=last_turn, block_hashes=block_hashes, output_token_ids=output_token_ids)
+        if max(request.all_token_ids) >= self.model_config.vocab_size:
+            raise ValueError(f"token ids must be integers in [0, {self.model_config.vocab_size})")
+        if len(block_hashes) > request.num_tokens // self.config.cache.block_size:
+            raise ValueError(f"{len(block_hashes)} block hashes for {request.num_tokens} tokens")
         self.scheduler.add_request(request)
-        self._requests[request_id] = (
-            request, IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop))
+        self._requests[request_id] = (request, IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, params.stop, request.output_token_ids))
 
     def step(self) -> list[EngineOutput]:
         """One schedule + execute + update; requests that produced tokens report them."""

@@ -66,7 +66,8 @@ class SamplingParams(pydantic.BaseModel):
         return self
 
 
-def _check_inputs(request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams) -> None:
+def _check_inputs(request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                  output_token_ids: Sequence[int]) -> None:
     """The one check of a request's inputs; the layers above trust a constructed Request."""
     if not isinstance(request_id, str) or not request_id:
         raise ValueError("request_id must be a non-empty string")
@@ -76,6 +77,8 @@ def _check_inputs(request_id: str, prompt_token_ids: list[int], sampling_params:
         raise ValueError(f"request {request_id!r}: the prompt is empty")
     if not all(isinstance(token, int) and token >= 0 for token in prompt_token_ids):
         raise ValueError(f"request {request_id!r}: prompt token ids must be non-negative integers")
+    if not all(isinstance(token, int) and token >= 0 for token in output_token_ids):
+        raise ValueError(f"request {request_id!r}: output token ids must be non-negative integers")
 
 
 class Request:
@@ -92,8 +95,12 @@ class Request:
         session_id: str | None = None,
         last_turn: bool = False,
         block_hashes: Sequence[bytes] = (),
+        output_token_ids: Sequence[int] = (),
     ):
-        _check_inputs(request_id, prompt_token_ids, sampling_params)
+        """output_token_ids: tokens it already generated elsewhere (a request migrated from a lost replica).
+        They count against max_tokens, the stop checks see them, and the scheduler computes them with the
+        prompt, as it recomputes a preempted request."""
+        _check_inputs(request_id, prompt_token_ids, sampling_params, output_token_ids)
         self.request_id = request_id
         self.sampling_params = sampling_params
         self.priority = priority
@@ -106,8 +113,8 @@ class Request:
 
         self.prompt_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
-        self.output_token_ids: list[int] = []
-        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.output_token_ids: list[int] = list(output_token_ids)
+        self.all_token_ids: list[int] = self.prompt_token_ids + self.output_token_ids
 
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # set on first schedule

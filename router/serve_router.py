@@ -24,8 +24,8 @@ logger = logging.getLogger("ray.serve.prefixserve.router")
 class Routable(Protocol):
     """What the router reads from a request: the first argument of the engine call."""
     request_id: str
-    prompt_token_ids: list[int]
-    block_hashes: list[BlockHash]
+    num_tokens: int  # to compute before it generates: its prompt, and the output of a migrated request
+    block_hashes: list[BlockHash]  # of those tokens' full blocks
     session_id: str | None
 
 
@@ -76,7 +76,7 @@ class PrefixAwareRequestRouter(RequestRouter):
             async with asyncio.timeout(self._timeout_s):
                 router = await self._router.get()
                 decision = await router.choose.remote(request.request_id, request.block_hashes, candidates,
-                                                      num_prompt_tokens=len(request.prompt_token_ids),
+                                                      num_prompt_tokens=request.num_tokens,
                                                       session_id=request.session_id)
         except Exception as exc:  # slow, dead or unreachable: any of them means Serve routes this one
             if isinstance(exc, RayActorError):

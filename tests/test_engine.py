@@ -6,6 +6,7 @@ chunked prefill, prefix-cache hits and preemption must not change a single greed
 import pytest
 
 from replica.engine import LLM, EngineConfig, EngineCore
+from replica.kv_cache import hash_token_blocks
 from replica.request import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -139,6 +140,30 @@ def test_greedy_tokens_head_their_top_logprobs(llm):
         assert [logprob for _, logprob in top] == sorted((logprob for _, logprob in top), reverse=True)
 
 
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=True),
+    SamplingParams(max_tokens=12, temperature=0, stop=["\n\nThe a"]),  # completes after " Paris.\n\n"
+])
+def test_a_request_resumed_with_its_output_continues_as_if_undisturbed(llm, params):
+    """Migration: a replica that has never seen the request goes on from any of its tokens, in tokens,
+    logprobs, text (stop string across the boundary included) and finish reason."""
+    engine = llm.engine
+    prompt = llm.tokenizer.encode(PROMPTS[0])
+    whole = run(engine, "whole", prompt, params)
+    token_ids = [output.new_token_ids[0] for output in whole]
+    for split in range(1, len(whole)):
+        assert engine.scheduler.reset_prefix_cache()
+        rest = run(engine, f"resumed-{split}", prompt, params, output_token_ids=token_ids[:split],
+                   block_hashes=hash_token_blocks(prompt + token_ids[:split], 16))
+        assert [output.new_token_ids[0] for output in rest] == token_ids[split:]
+        assert [output.new_text for output in rest] == [output.new_text for output in whole[split:]]
+        assert rest[-1].finish_reason == whole[-1].finish_reason
+        assert all(output.num_prompt_tokens == len(prompt) for output in rest)
+        if params.logprobs:
+            assert [output.logprobs[0] for output in rest] == pytest.approx(
+                [output.logprobs[0] for output in whole[split:]], abs=1e-4)
+
+
 @pytest.mark.parametrize("prompt, error", [
     ([], "empty"),
     ([1, 2, 49152], "token ids"),
@@ -151,7 +176,7 @@ def test_bad_prompts_raise_and_queue_nothing(llm, prompt, error):
 
 
 def test_more_block_hashes_than_full_prompt_blocks_raise(llm):
-    with pytest.raises(ValueError, match="2 block hashes for 20 prompt tokens"):
+    with pytest.raises(ValueError, match="2 block hashes for 20 tokens"):
         llm.engine.add_request("bad", [5] * 20, GREEDY, block_hashes=[bytes(16)] * 2)
     assert not llm.engine.has_unfinished()
 

@@ -49,8 +49,9 @@ class ModelRunner:
         for new in scheduler_output.scheduled_new_reqs:
             seed = new.sampling_params.seed
             generator = None if seed is None else torch.Generator(self.device).manual_seed(seed)
-            self.requests[new.req_id] = RequestState(new.req_id, list(new.prompt_token_ids), list(new.block_ids),
-                                                     new.num_computed_tokens, new.sampling_params, generator)
+            self.requests[new.req_id] = RequestState(new.req_id, new.prompt_token_ids + new.output_token_ids,
+                                                     list(new.block_ids), new.num_computed_tokens,
+                                                     new.sampling_params, generator)
         cached = scheduler_output.scheduled_cached_reqs
         for req_id, block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids,
                                                    cached.num_computed_tokens, strict=True):

@@ -12,6 +12,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int  # prefix-cache hit
+    output_token_ids: list[int] = field(default_factory=list)  # generated before, on a replica that was lost
 
 
 @dataclass(slots=True)

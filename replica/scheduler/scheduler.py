@@ -195,7 +195,7 @@ class Scheduler:
 
     def _make_output(self, plan: _StepPlan) -> SchedulerOutput:
         new_reqs = [NewRequestData(request.request_id, request.prompt_token_ids, request.sampling_params,
-                                   block_ids, request.num_computed_tokens)
+                                   block_ids, request.num_computed_tokens, list(request.output_token_ids))
                     for request, block_ids, _ in plan.new]
         cached = CachedRequestData()
         for request, block_ids, _ in plan.running + plan.resumed:

@@ -1,5 +1,8 @@
 """Stand-ins for the engine, its client, the tokenizer and the router client: the Serve glue tested without a model."""
-from cluster.serving import EnginesBusy
+import math
+from collections.abc import Sequence
+
+from cluster.engine_client import EnginesBusy, ReplicaLost
 from replica.async_engine import EngineOutput, EngineRequest
 from replica.kv_cache import BlockStored, hash_token_blocks
 from replica.scheduler import SchedulerStats
@@ -32,7 +35,8 @@ def output_text(index: int) -> str:
 
 class FakeEngineCore:
     """Generates token 100 + i as text "t<i> " until max_tokens; reports a cached-prefix of one block. Asked
-    for logprobs, token i has -(i + 1) / 4, and the runner-up token 33 ("!") 1 less."""
+    for logprobs, token i has -(i + 1) / 4, and the runner-up token 33 ("!") 1 less. Given output tokens
+    (a migrated request), it goes on after them."""
 
     def __init__(self, *, fail_step: bool = False):
         self.requests: dict[str, EngineRequest] = {}  # unfinished
@@ -46,15 +50,15 @@ class FakeEngineCore:
         self._events: list = []
 
     def add_request(self, request_id, prompt_token_ids, params, *, priority=0, cache_salt=None,
-                    arrival_time=None, session_id=None, last_turn=False, block_hashes=()) -> None:
+                    arrival_time=None, session_id=None, last_turn=False, block_hashes=(), output_token_ids=()) -> None:
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
         self.requests[request_id] = EngineRequest(request_id, prompt_token_ids, list(block_hashes), params, cache_salt,
-                                                  priority, session_id, last_turn)
+                                                  priority, session_id, last_turn, list(output_token_ids))
         self.added.append(self.requests[request_id])
-        self.generated[request_id] = 0
+        self.generated[request_id] = len(output_token_ids)
         hashes = hash_token_blocks(prompt_token_ids, BLOCK_SIZE, seed=HASH_SEED)
         new = [block_hash for block_hash in hashes if block_hash not in self.cached]
         self.cached.extend(new)
@@ -104,28 +108,44 @@ class FakeEngineCore:
 
 
 class FakeEngineClient:
-    """The ingress's view of the engine deployment: an output naming the replica, then a FakeEngineCore's."""
+    """The ingress's view of the engine deployment: an output naming the replica, then a FakeEngineCore's.
 
-    def __init__(self, replica_id: str = "replica-a", *, error: Exception | None = None, busy: bool = False):
+    lost_after[n]: the replica of a request's (n + 1)th attempt is lost (ReplicaLost) after that many outputs,
+    None: before it names itself. The nth attempt (from 0) is served by replica_id, then replica_id/1, ...
+    """
+
+    def __init__(self, replica_id: str = "replica-a", *, error: Exception | None = None, busy: bool = False,
+                 lost_after: Sequence[int | None] = ()):
         self.replica_id = replica_id
         self.error = error
         self.busy = busy  # no room for another request: EnginesBusy instead of the opening output
+        self.lost_after = lost_after
         self.requests: list[EngineRequest] = []
         self.abandoned: list[str] = []  # requests whose stream was closed before they finished
 
     async def generate(self, request: EngineRequest):
+        attempt = sum(sent.request_id == request.request_id for sent in self.requests)
         self.requests.append(request)
+        lost_after = self.lost_after[attempt] if attempt < len(self.lost_after) else math.inf
         core = FakeEngineCore()
         if self.busy:
             raise EnginesBusy(retry_after_s=0.5)
-        core.add_request(request.request_id, request.prompt_token_ids, request.params)
-        yield EngineOutput(request.request_id, replica_id=self.replica_id)
+        if lost_after is None:
+            raise ReplicaLost("replica died before its first output")
+        core.add_request(request.request_id, request.prompt_token_ids, request.params,
+                         block_hashes=request.block_hashes, output_token_ids=request.output_token_ids)
+        replica_id = f"{self.replica_id}/{attempt}" if attempt else self.replica_id
+        yield EngineOutput(request.request_id, replica_id=replica_id)
+        num_outputs = 0
         try:
             while core.has_unfinished():
                 if self.error is not None:
                     raise self.error
+                if num_outputs == lost_after:
+                    raise ReplicaLost(f"replica of attempt {attempt} died")
                 for output in core.step():
                     yield output
+                num_outputs += 1
         finally:
             if core.has_unfinished():
                 self.abandoned.append(request.request_id)

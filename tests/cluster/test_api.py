@@ -24,9 +24,10 @@ CHAT_PROMPT = "system: Be brief.\nuser: Hi\nassistant: "
 
 
 def make_app(engine: FakeEngineClient | None = None, *, api_key: str | None = None,
-             snapshot: RouterSnapshot | None = None, max_body_bytes: int | None = None):
+             snapshot: RouterSnapshot | None = None, max_body_bytes: int | None = None, max_migrations: int = 0):
     serving = OpenAIServing(engine or FakeEngineClient(), FakeTokenizer(),
-                            ModelInfo(MODEL, MAX_MODEL_LEN, VOCAB_SIZE, BLOCK_SIZE, HASH_SEED), ServingMetrics())
+                            ModelInfo(MODEL, MAX_MODEL_LEN, VOCAB_SIZE, BLOCK_SIZE, HASH_SEED), ServingMetrics(),
+                            max_migrations=max_migrations)
 
     async def render_metrics() -> bytes:
         return serving.metrics.render(snapshot)
@@ -195,9 +196,10 @@ def test_a_body_over_the_limit_is_413_before_it_is_read_whole():
                                       "type": "invalid_request_error", "param": None, "code": "request_too_large"}
 
 
-def test_closing_a_stream_early_abandons_the_engine_stream():
+def test_closing_a_stream_early_abandons_the_engine_stream_and_migrates_nothing():
     engine = FakeEngineClient()
-    serving = OpenAIServing(engine, FakeTokenizer(), ModelInfo(MODEL, MAX_MODEL_LEN, VOCAB_SIZE, BLOCK_SIZE), ServingMetrics())
+    serving = OpenAIServing(engine, FakeTokenizer(), ModelInfo(MODEL, MAX_MODEL_LEN, VOCAB_SIZE, BLOCK_SIZE), ServingMetrics(),
+                            max_migrations=2)
     body = CompletionRequest(model=MODEL, prompt="hello", max_tokens=50, stream=True)
 
     async def read_one_chunk_then_disconnect():
@@ -208,6 +210,7 @@ def test_closing_a_stream_early_abandons_the_engine_stream():
 
     assert '"text": "t0 "' in asyncio.run(read_one_chunk_then_disconnect())
     assert engine.abandoned == [engine.requests[0].request_id]
+    assert len(engine.requests) == 1
 
 
 def test_a_finished_stream_is_not_abandoned():

@@ -7,12 +7,13 @@ import pydantic
 import pytest
 from ray.serve import Application
 from ray.serve.config import BackpressureConfig
-from ray.serve.exceptions import BackPressureError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
+from ray.serve.exceptions import BackPressureError, ReplicaUnavailableError
 
 from cluster.app import build_app, engine_options
 from cluster.config import ClusterConfig
+from cluster.engine_client import EnginesBusy, ReplicaLost
 from cluster.ingress import ServeEngineClient
-from cluster.serving import EnginesBusy
 from router.serve_router import PrefixAwareRequestRouter
 
 
@@ -71,9 +72,43 @@ class FullQueue:
         raise queue_full()
 
 
+class BrokenStream:
+    """What the engine handle streams when the call fails: the error in place of the next output."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        raise self.error
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def engine_handle(responses) -> SimpleNamespace:
+    """A stand-in for the engine deployment's handle whose streaming calls all return responses."""
+    return SimpleNamespace(options=lambda stream: SimpleNamespace(generate=SimpleNamespace(
+        remote=lambda request: responses)))
+
+
 def test_serves_backpressure_reaches_the_ingress_as_engines_busy():
-    handle = SimpleNamespace(options=lambda stream: SimpleNamespace(generate=SimpleNamespace(
-        remote=lambda request: FullQueue())))
     with pytest.raises(EnginesBusy) as busy:
-        asyncio.run(anext(ServeEngineClient(handle).generate(None)))
+        asyncio.run(anext(ServeEngineClient(engine_handle(FullQueue())).generate(None)))
     assert busy.value.retry_after_s == 1.0
+
+
+@pytest.mark.parametrize("error, raised", [
+    (ActorDiedError(), ReplicaLost),
+    (ActorUnavailableError("Actor is unavailable.", None), ReplicaLost),
+    (ReplicaUnavailableError("engine#abc"), ReplicaLost),
+    (RayTaskError("generate", "traceback", ValueError("bad request")), ValueError),  # the engine's own: no move
+])
+def test_a_lost_replica_reaches_the_ingress_as_replica_lost(error, raised):
+    stream = BrokenStream(error)
+    with pytest.raises(raised):
+        asyncio.run(anext(ServeEngineClient(engine_handle(stream)).generate(None)))
+    assert stream.cancelled  # should the replica still be alive after all, it aborts the request

@@ -32,8 +32,10 @@ def test_flags_reach_the_config(monkeypatch):
         128, "priority", False)
     assert parse("--queue-policy", "priority").engine.scheduler.policy == "priority"
     assert parse("--api-key", "flag").api_key == "flag"
-    limits = parse("--max-waiting-requests", "4", "--max-queued-requests", "16", "--max-request-body-bytes", "4096")
-    assert (limits.max_waiting_requests, limits.max_queued_requests, limits.max_request_body_bytes) == (4, 16, 4096)
+    limits = parse("--max-waiting-requests", "4", "--max-queued-requests", "16", "--max-request-body-bytes", "4096",
+                   "--max-migrations", "0")
+    assert (limits.max_waiting_requests, limits.max_queued_requests, limits.max_request_body_bytes,
+            limits.max_migrations) == (4, 16, 4096, 0)
 
 
 def test_autoscaling_starts_at_the_replica_count_within_bounds():

@@ -1,8 +1,8 @@
 """The real app on a real Ray cluster: 2 engine replicas of the default model, driven by the openai client.
 
 One Ray cluster for the module. The app is first deployed with prefix routing from this process;
-the last test redeploys it with round_robin through `prefixserve serve --address ...` (joining
-this cluster) and stops that with SIGINT, as Ctrl-C would.
+the last but one test kills a replica mid-request; the last redeploys the app with round_robin through
+`prefixserve serve --address ...` (joining this cluster) and stops that with SIGINT, as Ctrl-C would.
 """
 import contextlib
 import json
@@ -174,6 +174,48 @@ def test_prefix_routing_keeps_each_group_on_the_replica_caching_its_prefix(clien
         replicas = {replica_id for replica_id, _ in served}
         assert len(replicas) == 1, f"{group} spread over {replicas}"
         assert all(cached >= 160 for _, cached in served[1:]), served
+
+
+MIGRATED = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+            "stop": [" in the"], "stream_options": {"include_usage": True}}  # a stop string holds text back
+KILL_AFTER_CHUNKS = 6
+
+
+def kill_replica(replica_id: str) -> None:
+    """Kill the Serve replica actor that the response header named."""
+    [actor] = [actor for actor in ray.util.list_named_actors(all_namespaces=True)
+               if actor["name"].endswith(f"#{replica_id}")]
+    ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
+
+
+def stream_killing_its_replica(base_url: str) -> tuple[str, list[dict]]:
+    """The replica that took the stream, and the stream's chunks; that replica is killed mid-stream."""
+    chunks = []
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=MIGRATED | {"stream": True}, timeout=120) as response:
+        replica_id = response.headers[REPLICA_HEADER]
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line.removeprefix("data: ")))
+                if len(chunks) == KILL_AFTER_CHUNKS:
+                    kill_replica(replica_id)
+    return replica_id, chunks
+
+
+def test_killing_the_replica_serving_a_stream_moves_the_request_unnoticed(base_url):
+    """Migration: the other replica goes on from the tokens produced; the client reads the undisturbed run.
+    (Serve replaces the killed replica; the next test redeploys the app anyway.)"""
+    undisturbed = httpx.post(f"{base_url}/v1/completions", json=MIGRATED, timeout=120).json()
+    killed, chunks = stream_killing_its_replica(base_url)
+    *text_chunks, usage_chunk = chunks
+    assert "".join(chunk["choices"][0]["text"] for chunk in text_chunks) == undisturbed["choices"][0]["text"]
+    assert text_chunks[-1]["choices"][0]["finish_reason"] == undisturbed["choices"][0]["finish_reason"]
+    assert usage_chunk["usage"] == undisturbed["usage"]
+    assert "prefixserve:request_migrations_total 1.0" in httpx.get(f"{base_url}/metrics").text.splitlines()
+    # The router forgets the dead replica; the one that finished the request holds no block.
+    deadline = time.monotonic() + 30
+    while killed in (usage := metric_values(base_url, "kv_cache_usage_perc")) or any(usage.values()):
+        assert time.monotonic() < deadline, usage
+        time.sleep(0.5)
 
 
 def test_round_robin_spreads_each_group(base_url, tmp_path):

@@ -1,3 +1,5 @@
+import pytest
+
 from replica.executor.detokenizer import IncrementalDetokenizer
 from replica.executor.tokenizer import Tokenizer
 from tests.executor.helpers import byte_tokenizer_backend
@@ -45,3 +47,15 @@ def test_without_a_stop_everything_is_released_at_the_end():
     steps = stream("hello", stop=["lo!"])
     assert [text for text, _ in steps] == ["", "", "h", "e", "llo"]
     assert not any(stopped for _, stopped in steps)
+
+
+@pytest.mark.parametrize("text, stop", [("aé😀 b, cd, ef", ["d,"]), ("x😀y z", ["😀y"]), ("plain text", [])])
+def test_given_the_tokens_so_far_it_releases_exactly_what_was_not_released(text, stop):
+    """A migrated request: a fresh detokenizer given the output so far continues the lost one's text."""
+    whole = stream(text, stop)
+    token_ids = TOKENIZER.encode(text)[:len(whole)]
+    for split in range(len(whole)):
+        resumed = IncrementalDetokenizer(TOKENIZER, TOKENIZER.encode("prompt"), stop, token_ids[:split])
+        rest = [resumed.update([token_id], finished=index == len(whole) - 1)
+                for index, token_id in enumerate(token_ids[split:], split)]
+        assert rest == whole[split:], split

@@ -42,8 +42,8 @@ def test_streams_each_request_until_finished():
 
 
 def test_the_core_gets_the_request_as_the_ingress_built_it():
-    request = EngineRequest("a", [1, 2, 3, 4], [b"h" * 16], SamplingParams(max_tokens=1), cache_salt="salt",
-                            priority=2, session_id="program", last_turn=True)
+    request = EngineRequest("a", [1, 2, 3, 4], [b"h" * 16], SamplingParams(max_tokens=3), cache_salt="salt",
+                            priority=2, session_id="program", last_turn=True, output_token_ids=[100, 101])
 
     async def test(engine, core):
         await collect(engine, request)
