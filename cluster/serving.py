@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import pydantic
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from cluster.engine_client import EngineClient, EnginesBusy
+from cluster.engine_client import EngineClient, EnginesBusy, ReplicaLost
 from cluster.metrics import RequestTracker, ServingMetrics
 from cluster.migration import MigratingEngineClient
 from cluster.protocol import (REPLICA_HEADER, SSE_DONE, APIError, ChatCompletionRequest, ChatFormat,
@@ -125,6 +125,8 @@ class OpenAIServing:
             raise APIError("The server has too many requests waiting; retry later.", status_code=429,
                            type="rate_limit_error", code="server_overloaded",
                            headers={"Retry-After": str(math.ceil(exc.retry_after_s))}) from None
+        except ReplicaLost:
+            raise replica_lost() from None
         progress = _Progress(RequestTracker(self.metrics, replica_id, arrival_time), self._token_text,
                              [] if params.logprobs else None)
         if body.stream:
@@ -165,6 +167,8 @@ class OpenAIServing:
                 progress.add(output)
         except ValueError as exc:  # the engine refused the request
             raise APIError(str(exc)) from None
+        except ReplicaLost:
+            raise replica_lost() from None
         finally:
             await outputs.aclose()
 
@@ -181,6 +185,8 @@ class OpenAIServing:
                 yield response_format.usage_chunk(progress.usage())
         except ValueError as exc:
             yield sse(APIError(str(exc)).body())
+        except ReplicaLost:
+            yield sse(replica_lost().body())
         except Exception:
             # The status line is already sent: report the failure in the stream, as OpenAI does.
             logger.exception("stream %s failed", response_format.response_id)
@@ -204,3 +210,9 @@ class OpenAIServing:
 def internal_error() -> APIError:
     return APIError("The server had an error while processing your request.", status_code=500,
                     type="server_error")
+
+
+def replica_lost() -> APIError:
+    """Every engine replica the request was sent to (migration's attempts) was lost before it finished."""
+    return APIError("The engine replica serving this request was lost, and so were its migrations' replicas; "
+                    "retry the request.", status_code=503, type="server_error", code="replica_lost")

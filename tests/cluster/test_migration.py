@@ -90,16 +90,18 @@ def test_past_the_migration_limit_the_stream_ends_with_an_error_event(max_migrat
     assert len(engine.requests) == max_migrations + 1
     *chunks, error, done = events(response)
     assert [chunk["choices"][0]["text"] for chunk in chunks] == [f"t{i} " for i in range(max_migrations + 1)]
-    assert error == {"error": {"message": "The server had an error while processing your request.",
-                               "type": "server_error", "param": None, "code": None}}
+    assert error == {"error": {"message": "The engine replica serving this request was lost, and so were its "
+                               "migrations' replicas; retry the request.", "type": "server_error", "param": None,
+                               "code": "replica_lost"}}
     assert done == "[DONE]"
     assert f"prefixserve:request_migrations_total {float(max_migrations)}" in metrics.splitlines()
 
 
-def test_past_the_migration_limit_the_response_is_a_500():
-    response, _ = post(FakeEngineClient(lost_after=[None, 2]), max_migrations=1)
-    assert response.status_code == 500
-    assert response.json()["error"]["type"] == "server_error"
+@pytest.mark.parametrize("lost_after", [[None, None], [None, 2]])  # before any output, and after some
+def test_past_the_migration_limit_the_response_is_a_503(lost_after):
+    response, _ = post(FakeEngineClient(lost_after=lost_after), max_migrations=1)
+    assert response.status_code == 503
+    assert (response.json()["error"]["type"], response.json()["error"]["code"]) == ("server_error", "replica_lost")
 
 
 def test_an_engine_error_is_not_a_lost_replica():
