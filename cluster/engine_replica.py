@@ -19,7 +19,8 @@ class EngineReplica:
         self.replica_id = context.replica_id.unique_id
         core = await asyncio.to_thread(EngineCore, config.engine)  # loads the model: seconds
         self._publisher = RouterPublisher(
-            self.replica_id, RouterClient(context.app_name, config.routing_config, core.config.cache.block_size))
+            self.replica_id,
+            RouterClient(context.app_name, config.routing_config, core.config.cache.block_size, create=False))
         self._engine = AsyncEngine(core, after_step=functools.partial(self._publisher.publish, core))
 
     def model_info(self) -> ModelInfo:

@@ -5,10 +5,11 @@ that finished); the request router in the ingress asks it where each request goe
 are synchronous and short, so Ray runs them one at a time in the order each caller sent them:
 a replica's batches arrive in sequence.
 
-The actor is named after the Serve app and its routing config, and created by whichever process
-asks first (get_if_exists). It dies with that process, so it never outlives the app; when it dies
-earlier (its creator was a replica that a rolling update replaced), the next caller creates a
-fresh one and every replica resyncs into it.
+The actor is named after the Serve app and its routing config, and created by the ingress's process
+(its request router or its /metrics, whichever asks first: get_if_exists). It dies with that
+process, so it never outlives the app; engine replicas only look it up, so losing one never takes
+the router with it. When it dies anyway, the next ingress call creates a fresh one and every
+replica resyncs into it.
 """
 import asyncio
 import gc
@@ -38,8 +39,11 @@ def router_actor_name(app_name: str, config: PolicyConfig, block_size: int) -> s
     return f"router:{app_name}:{fingerprint}"
 
 
-def get_or_create_router(app_name: str, config: PolicyConfig, block_size: int) -> ActorHandle:
-    """The app's RouterActor handle, creating the actor if nobody has yet. Blocks on Ray's GCS."""
+def get_or_create_router(app_name: str, config: PolicyConfig, block_size: int, create: bool = True) -> ActorHandle:
+    """The app's RouterActor handle, creating the actor if nobody has yet (unless not create: then
+    ValueError). Blocks on Ray's GCS."""
+    if not create:
+        return ray.get_actor(router_actor_name(app_name, config, block_size), namespace=NAMESPACE)
     return ray.remote(RouterActor).options(
         name=router_actor_name(app_name, config, block_size), namespace=NAMESPACE, get_if_exists=True,
         num_cpus=0, max_restarts=-1,
@@ -49,8 +53,9 @@ def get_or_create_router(app_name: str, config: PolicyConfig, block_size: int) -
 class RouterClient:
     """The app's RouterActor, found (or created) on first use and again after reset()."""
 
-    def __init__(self, app_name: str, config: PolicyConfig, block_size: int):
-        self._args = (app_name, config, block_size)
+    def __init__(self, app_name: str, config: PolicyConfig, block_size: int, create: bool = True):
+        """create: whether this process creates the actor (and owns it) when there is none."""
+        self._args = (app_name, config, block_size, create)
         self._lookup: asyncio.Future | None = None
 
     async def get(self) -> ActorHandle:

@@ -101,6 +101,8 @@ class PrefixAwareRequestRouter(RequestRouter):
             router = await self._router.get()
             await getattr(router, method).remote(*args)
         except Exception as exc:
+            if isinstance(exc, RayActorError):
+                self._router.reset()
             logger.warning(failure + ": %s", *args, exc)
 
 

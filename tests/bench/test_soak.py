@@ -8,7 +8,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 def test_a_short_chaos_soak_ends_every_request_and_leaks_nothing():
-    [result] = soak.main(["--requests", "150", "--clients", "16", "--replicas", "2", "--kill-every-s", "15",
+    [result] = soak.main(["--requests", "150", "--clients", "16", "--replicas", "2", "--kill-every-s", "30",
                           "--router-kill-at-s", "10", "--deadline-s", "120", "--runs", "chaos"])
     assert result.problems == []
     assert result.kills[0] == "router actor" and result.kills[1].startswith("engine replica")
