@@ -13,7 +13,8 @@ stops, every replica must drain (KV usage 0, nothing running or waiting) and the
 must hold exactly the blocks in each live replica's prefix cache, and no dead replica. Prints the
 table (benchmarks/results/soak.md) and exits 1 when a check fails.
 
-    python benchmarks/soak.py [--requests 10000] [--clients 64] [--replicas 4] [--kill-every-s 60]
+    python benchmarks/soak.py [--requests 10000] [--quiet-requests N] [--clients 64] [--replicas 4]
+                              [--kill-every-s 60]
 """
 import argparse
 import asyncio
@@ -38,6 +39,7 @@ from cluster.metrics import PREFIX as METRICS_PREFIX  # noqa: E402
 ENGINE = {"num_kv_blocks": 512, "max_model_len": 1024, "max_num_seqs": 32}
 NUM_PREFIXES = 8
 DRAIN_TIMEOUT_S = 120.0
+PROGRESS_EVERY = 500
 
 
 @dataclass
@@ -78,13 +80,13 @@ class Workload:
         self.rng = random.Random(seed)
         self.model = model
         self.drop_rate = drop_rate
-        self.prefixes = [f"Context {i}: " + random_words(random.Random(i), 120) for i in range(NUM_PREFIXES)]
+        self.prefixes = [f"Context {i}: " + random_words(random.Random(i), 60) for i in range(NUM_PREFIXES)]
 
     def request(self) -> tuple[str, dict, bool]:
         rng = self.rng
-        text = f"{rng.choice(self.prefixes)}\nQuestion: {random_words(rng, rng.randint(3, 40))}"
+        text = f"{rng.choice(self.prefixes)}\nQuestion: {random_words(rng, rng.randint(3, 24))}"
         stream = rng.random() < 0.5
-        body = {"model": self.model, "max_tokens": rng.randint(1, 48), "stream": stream,
+        body = {"model": self.model, "max_tokens": rng.randint(1, 16), "stream": stream,
                 "temperature": rng.choice([0.0, 0.0, 0.8])}
         if stream:
             body["stream_options"] = {"include_usage": True}
@@ -149,15 +151,19 @@ def _error_outcome(status: int, text: str) -> Outcome:
     return Outcome("gave_up" if "replica_lost" in text else "failed", detail=f"{status} {text[:200]}")
 
 
-async def run_load(base_url: str, model: str, args: argparse.Namespace, seed: int) -> tuple[list[Outcome], float]:
-    workload = Workload(seed, model, args.drop_rate)
-    requests = iter([workload.request() for _ in range(args.requests)])
+async def run_load(base_url: str, model: str, args: argparse.Namespace, num_requests: int
+                   ) -> tuple[list[Outcome], float]:
+    workload = Workload(args.seed, model, args.drop_rate)
+    requests = iter([workload.request() for _ in range(num_requests)])
     outcomes: list[Outcome] = []
     limits = httpx.Limits(max_connections=args.clients)
 
     async def client_loop(client: httpx.AsyncClient) -> None:
         for endpoint, body, drop in requests:
             outcomes.append(await send(client, endpoint, body, drop, args.deadline_s))
+            if len(outcomes) % PROGRESS_EVERY == 0:
+                print(f"{len(outcomes)} of {num_requests} requests in {time.monotonic() - started:.0f} s",
+                      file=sys.stderr, flush=True)
 
     started = time.monotonic()
     async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=None) as client:
@@ -257,7 +263,7 @@ async def soak(base_url: str, model: str, args: argparse.Namespace, *, chaos: bo
     if chaos:
         chaos_task = asyncio.create_task(killer.run())
     try:
-        outcomes, wall_s = await run_load(base_url, model, args, args.seed)
+        outcomes, wall_s = await run_load(base_url, model, args, args.requests if chaos else args.quiet_requests)
     finally:
         if chaos_task is not None:
             chaos_task.cancel()
@@ -298,6 +304,8 @@ def _ttfts(result: RunResult) -> list[float]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=10_000)
+    parser.add_argument("--quiet-requests", type=int, default=None,
+                        help="requests of the quiet run, the same mix (default: --requests)")
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--kill-every-s", type=float, default=60.0)
@@ -308,6 +316,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--runs", nargs="+", choices=["quiet", "chaos"], default=["quiet", "chaos"])
     args = parser.parse_args(argv)
+    if args.quiet_requests is None:
+        args.quiet_requests = args.requests
     if args.router_kill_at_s is None:
         args.router_kill_at_s = args.kill_every_s * 1.5
     return args
