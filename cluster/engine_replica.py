@@ -15,6 +15,7 @@ from router.actor import RouterClient
 
 class EngineReplica:
     async def __init__(self, config: ClusterConfig):
+        self._engine: AsyncEngine | None = None  # Serve may stop a replica while its model still loads
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         core = await asyncio.to_thread(EngineCore, config.engine)  # loads the model: seconds
@@ -51,5 +52,6 @@ class EngineReplica:
             raise RuntimeError(f"the engine loop stopped: {self._engine.error!r}")
 
     async def __del__(self) -> None:
-        await self._engine.shutdown()
+        if self._engine is not None:
+            await self._engine.shutdown()
 

@@ -50,10 +50,10 @@ def cluster():
 
 
 def engine_replicas() -> dict[str, tuple[str, str]]:
-    """Engine replicas by id: (state, node id), from the Serve controller's view."""
+    """Engine replicas by id: (state, node id; None until placed), from the Serve controller's view."""
     details = serve.context._get_global_client().get_serve_details()
     replicas = details["applications"][APP_NAME]["deployments"]["engine"]["replicas"]
-    return {replica["replica_id"]: (replica["state"], replica["node_id"]) for replica in replicas}
+    return {replica["replica_id"]: (replica["state"], replica.get("node_id")) for replica in replicas}
 
 
 async def stream(client: httpx.AsyncClient, prompt: str, started: asyncio.Queue) -> tuple[str, str | None]:
