@@ -2,7 +2,9 @@
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 import torch
 
@@ -19,7 +21,7 @@ from replica.async_engine import EngineOutput
 from replica.kv_cache import BlockHash, KVCacheManager, KVEvent
 from replica.request import Request, RequestStatus, SamplingParams
 from replica.config import CacheConfig, EngineConfig  # noqa: F401 (re-exported: replica.engine names them)
-from replica.scheduler import RequestOutput, Scheduler, SchedulerStats
+from replica.scheduler import ModelRunnerOutput, RequestOutput, Scheduler, SchedulerOutput, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +83,9 @@ class EngineCore:
                                    self.kv_cache_manager)
         kv_caches = allocate_kv_caches(checkpoint.config, num_blocks, cache.block_size, dtype, device)
         self.runner = ModelRunner(model, kv_caches, cache.block_size)
+        self._runner_thread = ThreadPoolExecutor(1, thread_name_prefix="model-runner") \
+            if config.scheduler.async_scheduling else None
+        self._in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
         self._requests: dict[str, tuple[Request, IncrementalDetokenizer]] = {}
         logger.info("KV cache: %.3f GiB = %d blocks of %d tokens (budget %s); max_model_len %d",
                     num_blocks * block_bytes(checkpoint.config, cache.block_size, dtype) / 2**30, num_blocks,
@@ -127,9 +132,26 @@ class EngineCore:
             self.tokenizer, request.prompt_token_ids, params.stop, request.output_token_ids))
 
     def step(self) -> list[EngineOutput]:
-        """One schedule + execute + update; requests that produced tokens report them."""
-        scheduler_output = self.scheduler.schedule()
-        model_output = self.runner.execute_model(scheduler_output)
+        """One schedule + execute + update; requests that produced tokens report them.
+
+        With async scheduling the model runs in a thread of its own, and step() schedules the next
+        step before it waits for the one executing, so that scheduling, stop checks and detokenizing
+        happen while the model computes. The first step's outputs come with the second."""
+        if self._runner_thread is None:
+            scheduler_output = self.scheduler.schedule()
+            return self._update(scheduler_output, self.runner.execute_model(scheduler_output))
+        if self.scheduler.has_unfinished_requests():
+            scheduler_output = self.scheduler.schedule()
+            self._in_flight.append((scheduler_output,
+                                    self._runner_thread.submit(self.runner.execute_model, scheduler_output)))
+            if len(self._in_flight) == 1 and scheduler_output.total_num_scheduled_tokens:
+                return []
+        if not self._in_flight:
+            return []
+        scheduler_output, model_output = self._in_flight.popleft()
+        return self._update(scheduler_output, model_output.result())
+
+    def _update(self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput) -> list[EngineOutput]:
         request_outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         logprobs = dict(zip(model_output.req_ids, model_output.logprobs or ()))
         top_logprobs = dict(zip(model_output.req_ids, model_output.top_logprobs or ()))
@@ -164,7 +186,8 @@ class EngineCore:
             self._requests.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.get_num_unfinished_requests() > 0
+        """Requests to run, or steps still executing whose outputs step() has not returned."""
+        return self.scheduler.get_num_unfinished_requests() > 0 or bool(self._in_flight)
 
     def expire_pins(self) -> None:
         self.scheduler.expire_pins()

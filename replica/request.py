@@ -117,6 +117,8 @@ class Request:
         self.all_token_ids: list[int] = self.prompt_token_ids + self.output_token_ids
 
         self.num_computed_tokens = 0
+        # async scheduling: tokens that steps already scheduled (and still executing) will sample
+        self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # set on first schedule
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = list(block_hashes)  # chained hashes of its full blocks (kept current)

@@ -89,6 +89,21 @@ def test_preemption_gives_the_same_tokens(one_at_a_time):
     assert llm.engine.stats().num_preemptions > 0
 
 
+@pytest.mark.parametrize("engine_args", [{}, {"num_kv_blocks": 6, "watermark": 0.0},
+                                         {"max_num_batched_tokens": 16, "long_prefill_token_threshold": 8}],
+                         ids=["batched", "preempted", "chunked"])
+def test_async_scheduling_gives_the_same_tokens(one_at_a_time, engine_args):
+    llm = make_llm(async_scheduling=True, **engine_args)
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == one_at_a_time
+    assert (llm.engine.stats().num_preemptions > 0) == ("num_kv_blocks" in engine_args)
+
+
+def test_async_scheduling_samples_seeded_requests_as_synchronous_scheduling_does(llm):
+    params = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=3, ignore_eos=True)
+    assert token_ids(make_llm(async_scheduling=True).generate(PROMPTS, params)) == \
+        token_ids(llm.generate(PROMPTS, params))
+
+
 def test_seeded_sampling_is_reproducible_alone_and_batched(llm):
     params = [SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, top_k=50, seed=seed, ignore_eos=True)
               for seed in (1, 2)]

@@ -88,6 +88,9 @@ class Scheduler:
         for group in (plan.running, plan.resumed, plan.new):
             for request, _, num_tokens in group:
                 request.num_computed_tokens += num_tokens
+                if self.config.async_scheduling and \
+                        request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+                    request.num_output_placeholders += 1  # this step samples a token the next one builds on
         self.finished_req_ids = set()
         if self._trace is not None:
             self._record_trace(plan)
@@ -99,8 +102,8 @@ class Scheduler:
             request = self.running[index]
             num_new_tokens = min(self._num_new_tokens(request, request.num_computed_tokens),
                                  plan.token_budget)
-            if num_new_tokens == 0:  # its last output has not come back yet, nothing to compute
-                index += 1
+            if num_new_tokens == 0 or self._has_all_tokens_in_flight(request):
+                index += 1  # pass it over (continue, not break): the requests after it may still run
                 continue
             while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_new_tokens)) is None:
                 if self._pin_keeper.release_one_for(request):
@@ -152,9 +155,15 @@ class Scheduler:
         self._free_request(request)
         self._ignored.append(RequestOutput(request.request_id, [], True, request.get_finished_reason()))
 
+    @staticmethod
+    def _has_all_tokens_in_flight(request: Request) -> bool:
+        """Async scheduling's skip-ahead: the steps still executing reach max_tokens already."""
+        return request.num_output_placeholders > 0 and \
+            request.num_output_tokens + request.num_output_placeholders >= request.max_tokens
+
     def _num_new_tokens(self, request: Request, num_computed_tokens: int) -> int:
         """The request's uncomputed gap, before the step's remaining budget is applied."""
-        num_new_tokens = request.num_tokens - num_computed_tokens
+        num_new_tokens = request.num_tokens + request.num_output_placeholders - num_computed_tokens
         threshold = self.config.long_prefill_token_threshold
         if 0 < threshold < num_new_tokens:
             num_new_tokens = threshold
@@ -222,12 +231,18 @@ class Scheduler:
         update_block_hashes = self.kv_cache_manager.update_block_hashes
         for req_id, token_ids in zip(model_output.req_ids, model_output.sampled_token_ids):
             request = requests.get(req_id)
-            if not token_ids or request is None or request.status != RequestStatus.RUNNING:
-                continue  # a partial prefill, or finished / preempted since it was scheduled
+            if not token_ids or request is None:
+                continue  # a partial prefill, or finished since it was scheduled
+            # A request preempted while this step executed keeps its token: it recomputes it on resumption.
+            was_running = request.status == RequestStatus.RUNNING
+            request.num_output_placeholders = max(request.num_output_placeholders - 1, 0)
             new_token_ids = self._append_until_stop(request, token_ids)
-            finished = request.status != RequestStatus.RUNNING
+            finished = request.is_finished()
             if finished:
-                stopped.add(request)
+                if was_running:
+                    stopped.add(request)
+                else:
+                    self.waiting.remove(request)
                 self._free_request(request)
             else:
                 update_block_hashes(request)

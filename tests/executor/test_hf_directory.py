@@ -121,15 +121,18 @@ def test_logits_match_transformers(checkpoint):
         torch.testing.assert_close(last_position_logits(model, prompt), theirs, atol=1e-4, rtol=1e-4)
 
 
-def test_greedy_tokens_match_transformers_batched_chunked_preempted_and_cached(checkpoint, greedy_reference):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_greedy_tokens_match_transformers_batched_chunked_preempted_and_cached(checkpoint, greedy_reference,
+                                                                              async_scheduling):
     path, _ = checkpoint
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    batched = LLM(str(path), dtype="float32", num_kv_blocks=32)
+    batched = LLM(str(path), dtype="float32", num_kv_blocks=32, async_scheduling=async_scheduling)
     prompts = [batched.tokenizer.encode(text) for text in PROMPTS]
     expected = [greedy_reference[tuple(prompt)] for prompt in prompts]
     assert [output.token_ids for output in batched.generate(prompts, params)] == expected
     # 6 usable blocks of 16 for sequences that grow to 2, 3 and 4 blocks; prefills in chunks of 8 tokens
-    tight = LLM(str(path), dtype="float32", num_kv_blocks=7, max_num_batched_tokens=8, reserve_full_sequence=False)
+    tight = LLM(str(path), dtype="float32", num_kv_blocks=7, max_num_batched_tokens=8, reserve_full_sequence=False,
+                async_scheduling=async_scheduling)
     assert [output.token_ids for output in tight.generate(prompts, params)] == expected
     assert tight.engine.stats().num_preemptions > 0
     again = tight.generate(prompts, params)

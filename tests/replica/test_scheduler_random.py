@@ -32,11 +32,13 @@ def check_invariants(scheduler, output):
 
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_random_workload_keeps_invariants(policy, seed):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_random_workload_keeps_invariants(policy, seed, async_scheduling):
+    """With async scheduling each step's output comes back after the next step is scheduled."""
     rng = random.Random(seed)
     scheduler = make_scheduler(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, policy=policy,
                                max_num_batched_tokens=48, max_num_seqs=12, max_model_len=128,
-                               long_prefill_token_threshold=rng.choice([0, 20]))
+                               long_prefill_token_threshold=rng.choice([0, 20]), async_scheduling=async_scheduling)
     prefixes = [[rng.randrange(1000) for _ in range(rng.randrange(4, 40))] for _ in range(5)]
     pending = []
     for i in range(300):
@@ -45,16 +47,19 @@ def test_random_workload_keeps_invariants(policy, seed):
         pending.append(Request(f"r{i}", prompt, params, priority=rng.randrange(3), arrival_time=float(i)))
     expected = {r.request_id: r.max_tokens for r in pending}
     produced = Counter()
+    in_flight = []
     for _ in range(5000):
         for _ in range(rng.randrange(3)):
             if pending:
                 scheduler.add_request(pending.pop(0))
-        if not pending and not scheduler.has_unfinished_requests():
+        if not pending and not scheduler.has_unfinished_requests() and not in_flight:
             break
         output = scheduler.schedule()
         check_invariants(scheduler, output)
-        for out in scheduler.update_from_output(output, fake_model_output(scheduler, output, rng.randrange(1000))):
-            produced[out.request_id] += len(out.new_token_ids)
+        in_flight.append((output, fake_model_output(scheduler, output, rng.randrange(1000))))
+        if len(in_flight) > async_scheduling or not scheduler.has_unfinished_requests():
+            for out in scheduler.update_from_output(*in_flight.pop(0)):
+                produced[out.request_id] += len(out.new_token_ids)
     assert not pending and not scheduler.has_unfinished_requests()
     assert produced == expected
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == NUM_BLOCKS - 1
