@@ -74,6 +74,54 @@ def bench_prefixserve(llm: LLM, workload: Workload) -> float:
     return elapsed
 
 
+class StepClock:
+    """Seconds an engine spends in the host's work of a step (scheduling, then stop checks and
+    detokenizing) and in the model runner, over its steps: what async scheduling overlaps."""
+
+    def __init__(self, llm: LLM):
+        engine = llm.engine
+        self.host_s = self.model_s = 0.0
+        self.num_steps = 0
+        engine.scheduler.schedule = self._timed(engine.scheduler.schedule, "host_s", counts_step=True)
+        engine._update = self._timed(engine._update, "host_s")
+        engine.runner.execute_model = self._timed(engine.runner.execute_model, "model_s")
+
+    def _timed(self, fn, total: str, counts_step: bool = False):
+        def timed_fn(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                setattr(self, total, getattr(self, total) + time.perf_counter() - start)
+                self.num_steps += counts_step
+        return timed_fn
+
+
+def bench_async_scheduling(args: argparse.Namespace, model: str | None, workload: Workload) -> None:
+    """Synchronous against async scheduling, alternating, on the same prompts: throughput, and per
+    step the host's work, the model's, and what of the host's work stays on the critical path
+    (wall minus model: all of it when synchronous, the part the model does not hide when async)."""
+    engines = {mode: start_prefixserve(args, model, workload, async_scheduling=mode == "async")[0]
+               for mode in ("sync", "async")}
+    results = {mode: [] for mode in engines}
+    for _ in range(args.rounds):
+        for mode, llm in engines.items():
+            clock = StepClock(llm)
+            elapsed = bench_prefixserve(llm, workload)
+            results[mode].append((elapsed, clock))
+            llm.engine.scheduler.reset_prefix_cache()
+    print(f"\n{'scheduling':<12}{'round':>6}{'time s':>9}{'output tok/s':>14}{'vs sync':>9}{'steps':>7}"
+          f"{'host ms/step':>14}{'model ms/step':>15}{'critical host ms/step':>23}")
+    for round_index in range(args.rounds):
+        sync_elapsed = results["sync"][round_index][0]
+        for mode in engines:
+            elapsed, clock = results[mode][round_index]
+            per_step = 1e3 / clock.num_steps
+            print(f"{mode:<12}{round_index + 1:>6}{elapsed:>9.2f}{workload.num_output_tokens / elapsed:>14.1f}"
+                  f"{sync_elapsed / elapsed:>9.2f}{clock.num_steps:>7}{clock.host_s * per_step:>14.2f}"
+                  f"{clock.model_s * per_step:>15.2f}{(elapsed - clock.model_s) * per_step:>23.2f}")
+
+
 def bench_projection_floor(llm: LLM, workload: Workload, max_num_batched_tokens: int) -> float:
     """The model's projections and LM head alone, on random rows shaped like the workload's steps
     (prompts in chunks of the token budget, then one decode row per prompt and step): the time no
@@ -149,6 +197,9 @@ def main() -> None:
     parser.add_argument("--vllm-model", help="HF directory of the same model, for vLLM")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: one per core)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="instead: synchronous against async scheduling, --rounds times each, alternating")
+    parser.add_argument("--rounds", type=int, default=3, help="with --async-scheduling")
     args = parser.parse_args()
     if args.vllm_python and not args.vllm_model:
         parser.error("--vllm-python needs --vllm-model")
@@ -171,6 +222,10 @@ def run(args: argparse.Namespace, model: str | None) -> None:
     dtype = resolve_dtype(args.dtype, device)
     workload = make_workload(args, load_checkpoint(model).config.vocab_size)
     load_before = os.getloadavg()[0]
+    if args.async_scheduling:
+        bench_async_scheduling(args, model, workload)
+        print_setting(args, workload, dtype, device, load_before)
+        return
     llm, startup = start_prefixserve(args, model, workload)
     ours = bench_prefixserve(llm, workload)
     rows = [(f"prefixserve ({args.backend})", ours, f"start-up {startup:.0f} s")]
@@ -182,17 +237,23 @@ def run(args: argparse.Namespace, model: str | None) -> None:
     if args.vllm_python:
         elapsed, report = bench_vllm(args, workload)
         rows.append((f"vLLM {report['vllm_version']}", elapsed, f"start-up {report['startup_s']:.0f} s"))
-    print(f"\n{len(workload.prompts)} prompts ({args.workload}), {sum(map(len, workload.prompts))} prompt tokens, "
-          f"{workload.num_output_tokens} output tokens; {str(dtype).removeprefix('torch.')} on {device}, "
-          f"{torch.get_num_threads()} threads, load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}")
+    print_setting(args, workload, dtype, device, load_before)
     print_table(rows, workload)
 
 
-def start_prefixserve(args: argparse.Namespace, model: str | None, workload: Workload) -> tuple[LLM, float]:
+def print_setting(args: argparse.Namespace, workload: Workload, dtype: torch.dtype, device: torch.device,
+                  load_before: float) -> None:
+    print(f"\n{len(workload.prompts)} prompts ({args.workload}), {sum(map(len, workload.prompts))} prompt tokens, "
+          f"{workload.num_output_tokens} output tokens; {str(dtype).removeprefix('torch.')} on {device}, "
+          f"{torch.get_num_threads()} threads, load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}")
+
+
+def start_prefixserve(args: argparse.Namespace, model: str | None, workload: Workload,
+                      async_scheduling: bool = False) -> tuple[LLM, float]:
     """The engine, warmed up on two reversed prompts (no prefix-cache hits later), and the seconds that took."""
     start = time.perf_counter()
     llm = LLM(model, dtype=args.dtype, device=args.device, max_num_batched_tokens=args.max_num_batched_tokens,
-              backend=args.backend, kv_cache_memory_gib=args.kv_cache_gib)
+              backend=args.backend, kv_cache_memory_gib=args.kv_cache_gib, async_scheduling=async_scheduling)
     llm.generate([prompt[::-1] for prompt in workload.prompts[:2]], SamplingParams(max_tokens=4, temperature=0))
     return llm, time.perf_counter() - start
 

@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     scheduler.add_argument("--max-model-len", type=int, help="longest prompt + output (default: the model's context)")
     scheduler.add_argument("--long-prefill-token-threshold", type=int, default=0,
                            help="prefill chunk cap for long prompts (default: %(default)s, off)")
+    scheduler.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                           help="schedule each step while the previous one executes (default: on with CUDA)")
     scheduler.add_argument("--queue-policy", "--policy", choices=["fcfs", "priority", "continuum"], default="fcfs",
                            help="waiting queue order (default: %(default)s)")
     return parser
@@ -81,7 +83,7 @@ def config_from_args(args: argparse.Namespace):
                   "kv_cache_memory_gib": args.kv_cache_gib, "enable_prefix_caching": not args.no_prefix_caching},
         "scheduler": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                       "long_prefill_token_threshold": args.long_prefill_token_threshold,
-                      "policy": args.queue_policy},
+                      "policy": args.queue_policy, "async_scheduling": args.async_scheduling},
     }
     autoscaling = None
     if args.autoscale:

@@ -79,12 +79,15 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(
             num_blocks, cache.block_size, enable_caching=cache.enable_prefix_caching,
             watermark=cache.watermark, max_model_len=self.max_model_len, hash_seed=cache.hash_seed)
-        self.scheduler = Scheduler(config.scheduler.model_copy(update={"max_model_len": self.max_model_len}),
-                                   self.kv_cache_manager)
+        async_scheduling = config.scheduler.async_scheduling
+        if async_scheduling is None:
+            async_scheduling = device.type == "cuda"
+        self.scheduler = Scheduler(config.scheduler.model_copy(update={
+            "max_model_len": self.max_model_len, "async_scheduling": async_scheduling}), self.kv_cache_manager)
         kv_caches = allocate_kv_caches(checkpoint.config, num_blocks, cache.block_size, dtype, device)
         self.runner = ModelRunner(model, kv_caches, cache.block_size)
         self._runner_thread = ThreadPoolExecutor(1, thread_name_prefix="model-runner") \
-            if config.scheduler.async_scheduling else None
+            if async_scheduling else None
         self._in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
         self._requests: dict[str, tuple[Request, IncrementalDetokenizer]] = {}
         logger.info("KV cache: %.3f GiB = %d blocks of %d tokens (budget %s); max_model_len %d",

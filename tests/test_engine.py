@@ -208,6 +208,24 @@ def test_duplicate_id_raises_and_abort_frees_blocks(llm):
     assert engine.stats().kv_usage == 0
 
 
+def test_async_scheduling_abort_while_a_step_executes_drops_its_output_and_frees_everything(one_at_a_time):
+    engine = make_llm(async_scheduling=True).engine
+    prompts = [engine.tokenizer.encode(prompt) for prompt in PROMPTS[:2]]
+    engine.add_request("kept", prompts[0], GREEDY)
+    engine.add_request("aborted", prompts[1], GREEDY)
+    assert engine.step() == []  # the first step's outputs come with the second's
+    outputs = engine.step()
+    assert [output.request_id for output in outputs] == ["kept", "aborted"]
+    engine.abort(["aborted"])  # while the step scheduled for it executes
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert {output.request_id for output in outputs[2:]} == {"kept"}
+    assert [token for output in outputs if output.request_id == "kept" for token in output.new_token_ids] == \
+        one_at_a_time[0]
+    stats = engine.stats()
+    assert (stats.kv_usage, stats.num_running, stats.num_waiting) == (0, 0, 0)
+
+
 def test_engine_config_rejects_bad_values():
     with pytest.raises(ValueError):
         EngineConfig(dtype="float64")

@@ -15,7 +15,8 @@ class SchedulerConfig(pydantic.BaseModel):
     # its next turn (which waits ahead of the others) or a predicted time-to-live (replica/scheduler/pins.py)
     policy: Literal["fcfs", "priority", "continuum"] = "fcfs"
     reserve_full_sequence: bool = True  # admit only when the whole prompt's blocks fit
-    # schedule step N+1 while step N executes: the tokens N will sample count as placeholders
-    async_scheduling: bool = False
+    # schedule step N+1 while step N executes: the tokens N will sample count as placeholders.
+    # None: the engine decides (on with CUDA, where host work is a sizeable part of a step)
+    async_scheduling: bool | None = None
     pin_ttl_default_s: float = pydantic.Field(2.0, ge=0)  # a pin's TTL before any tool gap was observed
     pin_ttl_max_s: float = pydantic.Field(10.0, ge=0)  # cap on a pin's TTL, however long the observed gaps

@@ -31,6 +31,8 @@ def test_flags_reach_the_config(monkeypatch):
     assert (scheduler.long_prefill_token_threshold, scheduler.policy, cache.enable_prefix_caching) == (
         128, "priority", False)
     assert parse("--queue-policy", "priority").engine.scheduler.policy == "priority"
+    assert [parse(*flag).engine.scheduler.async_scheduling
+            for flag in ((), ("--async-scheduling",), ("--no-async-scheduling",))] == [None, True, False]
     assert parse("--api-key", "flag").api_key == "flag"
     limits = parse("--max-waiting-requests", "4", "--max-queued-requests", "16", "--max-request-body-bytes", "4096",
                    "--max-migrations", "0")
