@@ -80,11 +80,14 @@ class StepClock:
 
     def __init__(self, llm: LLM):
         engine = llm.engine
-        self.host_s = self.model_s = 0.0
-        self.num_steps = 0
+        self.reset()
         engine.scheduler.schedule = self._timed(engine.scheduler.schedule, "host_s", counts_step=True)
         engine._update = self._timed(engine._update, "host_s")
         engine.runner.execute_model = self._timed(engine.runner.execute_model, "model_s")
+
+    def reset(self) -> None:
+        self.host_s = self.model_s = 0.0
+        self.num_steps = 0
 
     def _timed(self, fn, total: str, counts_step: bool = False):
         def timed_fn(*args, **kwargs):
@@ -103,23 +106,25 @@ def bench_async_scheduling(args: argparse.Namespace, model: str | None, workload
     (wall minus model: all of it when synchronous, the part the model does not hide when async)."""
     engines = {mode: start_prefixserve(args, model, workload, async_scheduling=mode == "async")[0]
                for mode in ("sync", "async")}
+    clocks = {mode: StepClock(llm) for mode, llm in engines.items()}
     results = {mode: [] for mode in engines}
     for _ in range(args.rounds):
         for mode, llm in engines.items():
-            clock = StepClock(llm)
+            clock = clocks[mode]
+            clock.reset()
             elapsed = bench_prefixserve(llm, workload)
-            results[mode].append((elapsed, clock))
+            results[mode].append((elapsed, clock.host_s, clock.model_s, clock.num_steps))
             llm.engine.scheduler.reset_prefix_cache()
     print(f"\n{'scheduling':<12}{'round':>6}{'time s':>9}{'output tok/s':>14}{'vs sync':>9}{'steps':>7}"
           f"{'host ms/step':>14}{'model ms/step':>15}{'critical host ms/step':>23}")
     for round_index in range(args.rounds):
         sync_elapsed = results["sync"][round_index][0]
         for mode in engines:
-            elapsed, clock = results[mode][round_index]
-            per_step = 1e3 / clock.num_steps
+            elapsed, host_s, model_s, num_steps = results[mode][round_index]
+            per_step = 1e3 / num_steps
             print(f"{mode:<12}{round_index + 1:>6}{elapsed:>9.2f}{workload.num_output_tokens / elapsed:>14.1f}"
-                  f"{sync_elapsed / elapsed:>9.2f}{clock.num_steps:>7}{clock.host_s * per_step:>14.2f}"
-                  f"{clock.model_s * per_step:>15.2f}{(elapsed - clock.model_s) * per_step:>23.2f}")
+                  f"{sync_elapsed / elapsed:>9.2f}{num_steps:>7}{host_s * per_step:>14.2f}"
+                  f"{model_s * per_step:>15.2f}{(elapsed - model_s) * per_step:>23.2f}")
 
 
 def bench_projection_floor(llm: LLM, workload: Workload, max_num_batched_tokens: int) -> float:
