@@ -190,7 +190,7 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=1024, help="nano-vllm workload: lengths in 100..max-len")
     model_group = parser.add_mutually_exclusive_group()
     model_group.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M)")
-    model_group.add_argument("--random-model", choices=["qwen3-0.6b"], help="random weights of this shape")
+    model_group.add_argument("--random-model", choices=["qwen3-0.6b", "tiny"], help="random weights of this shape")
     parser.add_argument("--dtype", default=None, help="default: the engine's default for the device")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--backend", default="auto", choices=["auto", "triton", "cpu", "torch"])

@@ -17,6 +17,11 @@ SHAPES = {
                    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
                    "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
                    "tie_word_embeddings": True},
+    # steps of a few milliseconds on a CPU, as a small model's on a GPU: the host's work per step
+    # (scheduling, stop checks, detokenizing) is a sizeable part of them
+    "tiny": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 4096, "max_position_embeddings": 4096,
+             "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True},
 }
 
 
