@@ -116,6 +116,7 @@ class Request:
         self.output_token_ids: list[int] = list(output_token_ids)
         self.all_token_ids: list[int] = self.prompt_token_ids + self.output_token_ids
 
+        self.spec_token_ids: list[int] = []  # unverified speculative drafts, consumed when scheduled
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # set on first schedule
         self.num_preemptions = 0
@@ -125,6 +126,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.all_token_ids) + len(self.spec_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
