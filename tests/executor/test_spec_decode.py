@@ -86,3 +86,18 @@ def test_sampling_with_speculation_stops_at_max_tokens(llama, prompts):
     outputs = llm.generate(prompts, params)
     assert [len(output.token_ids) for output in outputs] == [10] * 3
     assert llm.engine.stats().spec_decoding.num_draft_tokens > 0
+
+
+def test_drafts_never_reach_past_max_tokens_or_max_model_len(llama, prompts):
+    engine = make_llm(llama, 3, max_model_len=48).engine  # the second prompt (42 tokens) meets max_model_len
+    for index, prompt in enumerate(prompts):
+        engine.add_request(str(index), prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    num_drafted = 0
+    while engine.has_unfinished():
+        engine.step()
+        for request in engine.scheduler.running:
+            num_drafted += len(request.spec_token_ids)
+            # the step verifying them emits one more token than it accepts
+            assert request.num_output_tokens + len(request.spec_token_ids) < request.max_tokens
+            assert request.num_tokens + len(request.spec_token_ids) < engine.max_model_len
+    assert num_drafted > 0
