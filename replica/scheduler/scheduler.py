@@ -3,8 +3,9 @@
 Each step: running requests first (preempting by recompute when the KV cache is short), then
 waiting requests, only if nothing was preempted. There are no prefill or decode phases: every
 request just advances num_computed_tokens towards num_tokens_with_spec (its tokens and the drafts
-the speculative proposer attached to it; those the model rejects are taken back). Under the continuum policy a finished
-turn of an agent program may keep its blocks pinned for the program's next turn (pins.py).
+the speculative proposer attached to it; those the model rejects are taken back). Under the
+continuum policy a finished turn of an agent program may keep its blocks pinned for the program's
+next turn (pins.py).
 """
 import dataclasses
 import itertools
@@ -262,8 +263,8 @@ class Scheduler:
         return outputs
 
     def _take_back_rejected(self, request: Request, num_draft_tokens: int, num_accepted: int) -> None:
-        """schedule() counted every draft as computed: the rejected ones are computed again next step
-        (their KV slots are overwritten), after the token the model emitted in place of the first."""
+        """schedule() counted every draft as computed; from the first rejected one on, the positions are
+        computed again (their KV slots overwritten), starting with the token emitted in its place."""
         request.num_computed_tokens -= num_draft_tokens - num_accepted
         stats = self.spec_decoding
         stats.num_drafts += 1
