@@ -1,8 +1,12 @@
 """Speculative decoding in the scheduler: drafts in the budget, lookahead slots, clawback of rejected drafts."""
-from replica.request import RequestStatus, SamplingParams, Request
+import random
+from collections import Counter
+
+from replica.request import Request, RequestStatus, SamplingParams
 from replica.scheduler import ModelRunnerOutput, SpecDecodingStats
 
 from .scheduler_helpers import make_scheduler, step
+from .test_scheduler_random import BLOCK_SIZE, NUM_BLOCKS, check_invariants
 
 
 def decoding(scheduler, make_request, request_id: str = "a", prompt_len: int = 10, **kwargs):
@@ -167,3 +171,40 @@ def test_spec_decoding_stats_count_drafts_and_acceptance_by_position(make_reques
     scheduler.update_from_output(output, verified(output, {"a": [1], "b": [1]}))
     assert scheduler.make_stats().spec_decoding == SpecDecodingStats(
         num_drafts=2, num_draft_tokens=5, num_accepted_tokens=3, num_accepted_tokens_per_pos=[2, 1, 0])
+
+
+def test_random_workload_with_drafts_keeps_invariants():
+    """Random drafts, a random number of them accepted, through a pool small enough to preempt."""
+    rng = random.Random(0)
+    scheduler = make_scheduler(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_num_batched_tokens=32,
+                               max_num_seqs=12, max_model_len=64, num_speculative_tokens=3)
+    prefixes = [[rng.randrange(1000) for _ in range(rng.randrange(4, 30))] for _ in range(4)]
+    pending = [Request(f"r{i}", rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randrange(1, 8))],
+                       SamplingParams(max_tokens=rng.randrange(1, 30), ignore_eos=True)) for i in range(150)]
+    expected = {r.request_id: min(r.max_tokens, 64 - r.num_prompt_tokens) for r in pending}
+    produced = Counter()
+    while pending or scheduler.has_unfinished_requests():
+        if pending and rng.random() < 0.5:
+            scheduler.add_request(pending.pop(0))
+        output = scheduler.schedule()
+        check_invariants(scheduler, output)
+        kv = scheduler.kv_cache_manager
+        for request in scheduler.running:  # no block is cached over positions that hold no token yet
+            assert kv.num_cached_blocks.get(request.request_id, 0) * BLOCK_SIZE <= request.num_tokens
+        tokens = {}
+        for req_id in output.num_scheduled_tokens:
+            request = scheduler.requests[req_id]
+            drafts = output.scheduled_spec_decode_tokens.get(req_id, [])
+            if request.num_computed_tokens >= request.num_tokens:
+                tokens[req_id] = drafts[:rng.randrange(len(drafts) + 1)] + [rng.randrange(1000)]
+        for out in scheduler.update_from_output(output, verified(output, tokens)):
+            produced[out.request_id] += len(out.new_token_ids)
+        for request in scheduler.running:
+            assert request.num_computed_tokens <= request.num_tokens
+            if request.num_computed_tokens == request.num_tokens - 1:
+                request.spec_token_ids = [rng.randrange(1000) for _ in range(rng.randrange(4))]
+    assert produced == expected
+    stats = scheduler.make_stats()
+    assert stats.num_preemptions > 0
+    assert 0 < stats.spec_decoding.num_accepted_tokens < stats.spec_decoding.num_draft_tokens
+    assert kv.block_pool.get_num_free_blocks() == NUM_BLOCKS - 1
