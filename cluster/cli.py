@@ -69,6 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
                            help="schedule each step while the previous one executes (default: on with CUDA)")
     scheduler.add_argument("--queue-policy", "--policy", choices=["fcfs", "priority", "continuum"], default="fcfs",
                            help="waiting queue order (default: %(default)s)")
+
+    spec = serve.add_argument_group("speculative decoding (n-gram prompt lookup)")
+    spec.add_argument("--num-speculative-tokens", type=int, default=0,
+                      help="draft tokens per request and step, verified in one forward pass (default: %(default)s, off)")
+    spec.add_argument("--ngram-min", type=int, default=1,
+                      help="shortest suffix of a request's tokens looked up for drafts (default: %(default)s)")
+    spec.add_argument("--ngram-max", type=int, default=4,
+                      help="longest suffix looked up; the longest that recurs wins (default: %(default)s)")
     return parser
 
 
@@ -79,6 +87,7 @@ def config_from_args(args: argparse.Namespace):
     engine = {
         "model": args.model, "served_model_name": args.served_model_name, "dtype": args.dtype,
         "device": args.device, "max_model_len": args.max_model_len,
+        "num_speculative_tokens": args.num_speculative_tokens, "ngram_min": args.ngram_min, "ngram_max": args.ngram_max,
         "cache": {"block_size": args.block_size, "num_kv_blocks": args.num_kv_blocks,
                   "kv_cache_memory_gib": args.kv_cache_gib, "enable_prefix_caching": not args.no_prefix_caching},
         "scheduler": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,

@@ -103,6 +103,12 @@ REPLICA_SERIES = [
      "Prompt tokens of next turns (their program's previous turn finished here) looked up, continuum."),
     (CounterMetricFamily, "next_turn_prefix_cache_hits", "stats.pins.next_turn_hits",
      "Of those, tokens found in the prefix cache."),
+    (CounterMetricFamily, "spec_decode_num_drafts", "stats.spec_decoding.num_drafts",
+     "Speculative decoding: request steps that verified draft tokens."),
+    (CounterMetricFamily, "spec_decode_num_draft_tokens", "stats.spec_decoding.num_draft_tokens",
+     "Speculative decoding: draft tokens verified."),
+    (CounterMetricFamily, "spec_decode_num_accepted_tokens", "stats.spec_decoding.num_accepted_tokens",
+     "Speculative decoding: draft tokens accepted."),
     (GaugeMetricFamily, "kv_cached_blocks", "stats.num_cached_blocks",
      "Blocks in the engine's prefix cache, which the router's index mirrors."),
     (GaugeMetricFamily, "router_index_blocks", "index_blocks", "Blocks the router believes the replica caches."),
@@ -131,8 +137,18 @@ class RouterCollector(Collector):
             for replica_id, replica in sorted(self.snapshot.replicas.items()):
                 metric.add_metric([replica_id], value(replica))
             yield metric
+        yield self._accepted_per_position()
         decisions = CounterMetricFamily(PREFIX + "router_decisions", "Routing decisions by policy and outcome.",
                                         labels=["policy", "outcome"])
         for outcome, count in sorted(self.snapshot.decisions.items()):
             decisions.add_metric([self.snapshot.policy, outcome], count)
         yield decisions
+
+    def _accepted_per_position(self) -> CounterMetricFamily:
+        metric = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                     "Speculative decoding: draft tokens accepted, by position among the drafts.",
+                                     labels=["replica", "position"])
+        for replica_id, replica in sorted(self.snapshot.replicas.items()):
+            for position, count in enumerate(replica.stats.spec_decoding.num_accepted_tokens_per_pos):
+                metric.add_metric([replica_id, str(position)], count)
+        return metric

@@ -34,6 +34,12 @@ class EngineConfig(pydantic.BaseModel):
     # The scheduler's max_model_len is derived from the model and the KV cache: set the one above.
     scheduler: SchedulerConfig = pydantic.Field(default_factory=SchedulerConfig)
     cache: CacheConfig = pydantic.Field(default_factory=CacheConfig)
+    # Speculative decoding with n-gram (prompt lookup) drafts: up to this many per request and step,
+    # verified in one forward pass; 0 turns it off. Each step is scheduled after the previous one's
+    # output came back (drafts are proposed from it): synchronously, never with async scheduling.
+    num_speculative_tokens: int = pydantic.Field(0, ge=0)
+    ngram_min: int = pydantic.Field(1, ge=1)  # the shortest suffix of a request's tokens looked up
+    ngram_max: int = pydantic.Field(4, ge=1)  # the longest
 
     @pydantic.model_validator(mode="before")
     @classmethod
@@ -55,4 +61,12 @@ class EngineConfig(pydantic.BaseModel):
     def _one_max_model_len(self) -> "EngineConfig":
         if "max_model_len" in self.scheduler.model_fields_set:
             raise ValueError("set max_model_len on the engine, not on its scheduler section")
+        return self
+
+    @pydantic.model_validator(mode="after")
+    def _ngram_range(self) -> "EngineConfig":
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min={self.ngram_min} exceeds ngram_max={self.ngram_max}")
+        if self.num_speculative_tokens and self.scheduler.async_scheduling:
+            raise ValueError("speculative decoding schedules synchronously: it needs async_scheduling off")
         return self

@@ -15,6 +15,7 @@ from replica.executor.cpu_allocator import keep_freed_memory
 from replica.executor.detokenizer import IncrementalDetokenizer
 from replica.executor.model import LlamaForCausalLM
 from replica.executor.model_runner import ModelRunner
+from replica.executor.ngram_proposer import NgramProposer
 from replica.executor.paged_cache import allocate_kv_caches, block_bytes, num_blocks_for_budget
 from replica.executor.weights import build_model
 from replica.async_engine import EngineOutput
@@ -80,10 +81,13 @@ class EngineCore:
             num_blocks, cache.block_size, enable_caching=cache.enable_prefix_caching,
             watermark=cache.watermark, max_model_len=self.max_model_len, hash_seed=cache.hash_seed)
         async_scheduling = config.scheduler.async_scheduling
-        if async_scheduling is None:
-            async_scheduling = device.type == "cuda"
+        if async_scheduling is None:  # n-gram drafts need the previous step's tokens: synchronous, as in vLLM
+            async_scheduling = device.type == "cuda" and not config.num_speculative_tokens
         self.scheduler = Scheduler(config.scheduler.model_copy(update={
-            "max_model_len": self.max_model_len, "async_scheduling": async_scheduling}), self.kv_cache_manager)
+            "max_model_len": self.max_model_len, "async_scheduling": async_scheduling}), self.kv_cache_manager,
+            num_speculative_tokens=config.num_speculative_tokens)
+        self._proposer = NgramProposer(config.num_speculative_tokens, config.ngram_min, config.ngram_max) \
+            if config.num_speculative_tokens else None
         kv_caches = allocate_kv_caches(checkpoint.config, num_blocks, cache.block_size, dtype, device)
         self.runner = ModelRunner(model, kv_caches, cache.block_size)
         self._runner_thread = ThreadPoolExecutor(1, thread_name_prefix="model-runner") \
@@ -158,8 +162,22 @@ class EngineCore:
         request_outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         logprobs = dict(zip(model_output.req_ids, model_output.logprobs or ()))
         top_logprobs = dict(zip(model_output.req_ids, model_output.top_logprobs or ()))
-        return [self._make_output(output, logprobs.get(output.request_id), top_logprobs.get(output.request_id))
-                for output in request_outputs]
+        outputs = [self._make_output(output, logprobs.get(output.request_id), top_logprobs.get(output.request_id))
+                   for output in request_outputs]
+        self._propose_drafts(request_outputs)
+        return outputs
+
+    def _propose_drafts(self, request_outputs: list[RequestOutput]) -> None:
+        """Speculative decoding: drafts for the next step of each request that emitted tokens and goes on,
+        no more than it may still emit after the token the step verifying them adds."""
+        if self._proposer is None:
+            return
+        for output in request_outputs:
+            request = self.scheduler.requests.get(output.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:  # finished (by a stop string too)
+                continue
+            room = min(self.max_model_len - 1 - request.num_tokens, request.max_tokens - request.num_output_tokens - 1)
+            request.spec_token_ids = self._proposer.propose(request.all_token_ids, room)
 
     def _make_output(self, output: RequestOutput, logprobs: list[float] | None,
                      top_logprobs: list[list[tuple[int, float]]] | None) -> EngineOutput:

@@ -116,6 +116,7 @@ class Request:
         self.output_token_ids: list[int] = list(output_token_ids)
         self.all_token_ids: list[int] = self.prompt_token_ids + self.output_token_ids
 
+        self.spec_token_ids: list[int] = []  # unverified speculative drafts, consumed when scheduled
         self.num_computed_tokens = 0
         # async scheduling: tokens that steps already scheduled (and still executing) will sample
         self.num_output_placeholders = 0
@@ -127,6 +128,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.all_token_ids) + len(self.spec_token_ids)
 
     @property
     def num_output_tokens(self) -> int:

@@ -104,6 +104,12 @@ def test_async_scheduling_samples_seeded_requests_as_synchronous_scheduling_does
         token_ids(llm.generate(PROMPTS, params))
 
 
+def test_speculative_decoding_gives_the_same_tokens(one_at_a_time):
+    llm = make_llm(num_speculative_tokens=3, max_num_batched_tokens=32)
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == one_at_a_time
+    assert llm.engine.stats().spec_decoding.num_draft_tokens > 0
+
+
 def test_seeded_sampling_is_reproducible_alone_and_batched(llm):
     params = [SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, top_k=50, seed=seed, ignore_eos=True)
               for seed in (1, 2)]

@@ -1,6 +1,6 @@
 """Flattening one step's scheduled requests into model inputs: token ids, positions, paged-attention metadata."""
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -18,6 +18,7 @@ class RequestState:
     num_computed_tokens: int
     sampling_params: SamplingParams
     generator: torch.Generator | None  # set when the request has a seed
+    spec_token_ids: list[int] = field(default_factory=list)  # this step's drafts to verify, after token_ids
 
 
 @dataclass
@@ -27,7 +28,8 @@ class BatchInputs:
     positions: torch.Tensor       # [T]
     attention: AttentionMetadata
     sample_rows: list[int]        # the requests (batch indices) whose last scheduled token ends their sequence
-    logits_indices: torch.Tensor  # [len(sample_rows)]: the token row of each of them
+    # the token rows whose logits are needed: for each sample row, its drafts' positions and its last
+    logits_indices: torch.Tensor  # [len(sample_rows) + their drafts]
 
 
 def prepare_inputs(states: list[RequestState], num_scheduled: list[int], block_size: int,
@@ -42,8 +44,10 @@ def prepare_inputs(states: list[RequestState], num_scheduled: list[int], block_s
 
     request_of_token = np.repeat(np.arange(len(states)), num_tokens)
     positions = np.arange(total) + np.repeat(num_computed - query_start_loc[:-1], num_tokens)
+    # scheduled drafts are the last tokens scheduled, all of them: they come after all of token_ids
     input_ids = np.fromiter((token for state, start, end in zip(states, num_computed, seq_lens)
-                             for token in state.token_ids[start:end]), dtype=np.int64, count=total)
+                             for token in itertools.chain(state.token_ids[start:end], state.spec_token_ids)),
+                            dtype=np.int64, count=total)
 
     num_blocks = -(-seq_lens // block_size)
     block_tables = np.zeros((len(states), int(num_blocks.max())), dtype=np.int64)
@@ -63,7 +67,12 @@ def prepare_inputs(states: list[RequestState], num_scheduled: list[int], block_s
 
     num_single = int(np.count_nonzero(num_tokens == 1))
     bounds = [0, num_single, len(states)] if 0 < num_single < len(states) else [0, len(states)]
-    sample_rows = [row for row, state in enumerate(states) if seq_lens[row] == len(state.token_ids)]
+    sample_rows = [row for row, state in enumerate(states)
+                   if seq_lens[row] == len(state.token_ids) + len(state.spec_token_ids)]
+    num_logits = np.array([len(states[row].spec_token_ids) + 1 for row in sample_rows], dtype=np.int64)
+    logits_starts = query_start_loc[1:][sample_rows] - num_logits
+    logits_indices = np.repeat(logits_starts - (np.cumsum(num_logits) - num_logits), num_logits) + np.arange(
+        num_logits.sum())
     return BatchInputs(
         req_ids=[state.req_id for state in states],
         input_ids=to_device(input_ids, torch.int64),
@@ -71,7 +80,7 @@ def prepare_inputs(states: list[RequestState], num_scheduled: list[int], block_s
         attention=AttentionMetadata(slot_mapping=to_device(slot_mapping, torch.int64),
                                     groups=[group(first, end) for first, end in itertools.pairwise(bounds)]),
         sample_rows=sample_rows,
-        logits_indices=to_device(query_start_loc[1:][sample_rows] - 1, torch.int64),
+        logits_indices=to_device(logits_indices, torch.int64),
     )
 
 

@@ -2,13 +2,17 @@
 
 It mirrors the scheduler's two-tier diff: new requests arrive with their prompt and block ids,
 cached ones with only what changed. It keeps every request's token ids itself (the prompt plus
-the tokens it sampled); a resumed request starts over from the scheduler's token ids and blocks.
+the tokens it emitted); a resumed request starts over from the scheduler's token ids and blocks.
+A request's speculative drafts are verified in the same forward pass as the rest of the batch: its
+last token and the drafts are scheduled together, and the logits at each of their positions go to
+the rejection sampler.
 """
 import torch
 
 from replica.executor.input_batch import BatchInputs, RequestState, order_decodes_first, prepare_inputs
 from replica.executor.model import KVCache, LlamaForCausalLM
-from replica.executor.sampler import SamplingMetadata, sample
+from replica.executor.rejection_sampler import num_emitted, rejection_sample
+from replica.executor.sampler import Sampled, SamplingMetadata, sample
 from replica.scheduler import ModelRunnerOutput, SchedulerOutput
 
 
@@ -32,15 +36,20 @@ class ModelRunner:
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attention)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         sampling = [states[row] for row in batch.sample_rows]
+        num_drafts = [len(state.spec_token_ids) for state in sampling]
+        # one logits row per draft position and one more per request, each sampled with its request's params
+        row_states = [state for state, count in zip(sampling, num_drafts) for _ in range(count + 1)]
         metadata = SamplingMetadata.from_params(
-            [state.sampling_params for state in sampling],
-            {row: state.generator for row, state in enumerate(sampling) if state.generator is not None},
+            [state.sampling_params for state in row_states],
+            {row: state.generator for row, state in enumerate(row_states) if state.generator is not None},
             logits.shape[1], self.device)
-        token_ids, logprobs, top = sample(logits, metadata)
-        output = self._make_output(batch, sampling, token_ids.tolist(), None if logprobs is None else logprobs.tolist())
-        if top is not None:
-            output.top_logprobs = self._top_logprobs(batch, *top)
-        return output
+        if any(num_drafts):
+            draft_token_ids = [token for state in sampling for token in (*state.spec_token_ids, -1)]
+            sampled, accepted = rejection_sample(logits, torch.tensor(draft_token_ids, device=self.device), metadata)
+            counts = num_emitted(accepted.tolist(), num_drafts)
+        else:
+            sampled, counts = sample(logits, metadata), [1] * len(sampling)
+        return self._make_output(batch, sampling, sampled, num_drafts, counts)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for req_id in scheduler_output.finished_req_ids:
@@ -62,24 +71,29 @@ class ModelRunner:
             else:
                 state.block_ids.extend(block_ids)
             state.num_computed_tokens = num_computed
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        for req_id in scheduler_output.num_scheduled_tokens:
+            self.requests[req_id].spec_token_ids = spec_tokens.get(req_id, [])
 
-    def _make_output(self, batch: BatchInputs, sampling: list[RequestState], token_ids: list[int],
-                     logprobs: list[float] | None) -> ModelRunnerOutput:
-        sampled: list[list[int]] = [[] for _ in batch.req_ids]
-        sampled_logprobs: list[list[float]] = [[] for _ in batch.req_ids]
-        for index, (row, state) in enumerate(zip(batch.sample_rows, sampling)):
-            state.token_ids.append(token_ids[index])
-            sampled[row] = [token_ids[index]]
+    def _make_output(self, batch: BatchInputs, sampling: list[RequestState], sampled: Sampled,
+                     num_drafts: list[int], counts: list[int]) -> ModelRunnerOutput:
+        """Per request, the tokens of its first counts[i] logits rows (and their logprobs); [] for the
+        requests that sample nothing this step."""
+        token_ids = sampled.token_ids.tolist()
+        logprobs = None if sampled.logprobs is None else sampled.logprobs.tolist()
+        top = None if sampled.top_logprobs is None else [tensor.tolist() for tensor in sampled.top_logprobs]
+        output = ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=[[] for _ in batch.req_ids],
+                                   logprobs=None if logprobs is None else [[] for _ in batch.req_ids],
+                                   top_logprobs=None if top is None else [[] for _ in batch.req_ids])
+        start = 0
+        for row, state, num_rows, count in zip(batch.sample_rows, sampling, num_drafts, counts):
+            emitted = slice(start, start + count)
+            state.token_ids.extend(token_ids[emitted])
+            output.sampled_token_ids[row] = token_ids[emitted]
             if logprobs is not None:
-                sampled_logprobs[row] = [logprobs[index]]
-        return ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=sampled,
-                                 logprobs=None if logprobs is None else sampled_logprobs)
-
-    @staticmethod
-    def _top_logprobs(batch: BatchInputs, values: torch.Tensor,
-                      token_ids: torch.Tensor) -> list[list[list[tuple[int, float]]]]:
-        """Per request: [the k most likely (token id, logprob) of its sampled token's position], or []."""
-        top: list[list[list[tuple[int, float]]]] = [[] for _ in batch.req_ids]
-        for index, row in enumerate(batch.sample_rows):
-            top[row] = [list(zip(token_ids[index].tolist(), values[index].tolist()))]
-        return top
+                output.logprobs[row] = logprobs[emitted]
+            if top is not None:
+                values, top_ids = top
+                output.top_logprobs[row] = [list(zip(ids, lps)) for ids, lps in zip(top_ids[emitted], values[emitted])]
+            start += num_rows + 1
+        return output

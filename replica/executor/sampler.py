@@ -46,10 +46,20 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> Sampled:
     if metadata.all_greedy:
         token_ids = greedy
     else:
-        temperatures = metadata.temperatures
-        scaled = logits / torch.where(temperatures > 0, temperatures, 1.0).unsqueeze(1)
-        probs = apply_top_k_top_p(scaled, metadata.top_ks, metadata.top_ps).softmax(dim=-1)
-        token_ids = torch.where(temperatures > 0, _random_sample(probs, metadata.generators), greedy)
+        token_ids = torch.where(metadata.temperatures > 0,
+                                random_sample(target_probs(logits, metadata), metadata.generators), greedy)
+    return with_logprobs(logits, token_ids, metadata)
+
+
+def target_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """[R, V]: the distribution each random row samples from (after temperature, top-k and top-p)."""
+    temperatures = metadata.temperatures
+    scaled = logits / torch.where(temperatures > 0, temperatures, 1.0).unsqueeze(1)
+    return apply_top_k_top_p(scaled, metadata.top_ks, metadata.top_ps).softmax(dim=-1)
+
+
+def with_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, metadata: SamplingMetadata) -> Sampled:
+    """The chosen tokens with their logprobs (and the top ones) under the raw logits, if any row asks."""
     if not metadata.needs_logprobs:
         return Sampled(token_ids, None, None)
     all_logprobs = logits.log_softmax(dim=-1)
@@ -74,8 +84,9 @@ def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None,
     return logits.scatter(1, order, sorted_logits)
 
 
-def _random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """Gumbel-max in its exponential form: argmax(p / q), q ~ Exp(1), each seeded row drawing its own q."""
+def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """Gumbel-max in its exponential form: argmax(p / q), q ~ Exp(1), each seeded row drawing its own q.
+    probs need not be normalised; they are overwritten."""
     noise = torch.empty_like(probs)
     if len(generators) < probs.shape[0]:
         noise.exponential_()

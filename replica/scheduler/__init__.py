@@ -1,9 +1,9 @@
 from replica.scheduler.config import SchedulerConfig
 from replica.scheduler.output import (CachedRequestData, ModelRunnerOutput, NewRequestData, PinStats,
-                                      RequestOutput, SchedulerOutput, SchedulerStats)
+                                      RequestOutput, SchedulerOutput, SchedulerStats, SpecDecodingStats)
 from replica.scheduler.scheduler import Scheduler
 
 __all__ = [
     "CachedRequestData", "ModelRunnerOutput", "NewRequestData", "PinStats", "RequestOutput", "Scheduler",
-    "SchedulerConfig", "SchedulerOutput", "SchedulerStats",
+    "SchedulerConfig", "SchedulerOutput", "SchedulerStats", "SpecDecodingStats",
 ]

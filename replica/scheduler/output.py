@@ -33,6 +33,9 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     preempted_req_ids: set[str]
     finished_req_ids: set[str]  # finished since the previous step: the runner drops their state
+    # the drafts to verify, per request that has any scheduled: they follow its last token in
+    # num_scheduled_tokens (which counts them)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -65,6 +68,15 @@ class PinStats:
 
 
 @dataclass(slots=True)
+class SpecDecodingStats:
+    """Speculative decoding, cumulative: what was verified and how much of it the target model accepted."""
+    num_drafts: int = 0           # request-steps that verified at least one draft token
+    num_draft_tokens: int = 0     # draft tokens verified
+    num_accepted_tokens: int = 0  # of those, accepted
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # by draft position, num_speculative_tokens long
+
+
+@dataclass(slots=True)
 class SchedulerStats:
     num_running: int
     num_waiting: int
@@ -76,3 +88,4 @@ class SchedulerStats:
     num_free_blocks: int = 0             # blocks a new request can take: free ones and evictable cached ones
     num_cached_blocks: int = 0           # blocks in the prefix cache's hash map: what the router's index mirrors
     pins: PinStats = field(default_factory=PinStats)
+    spec_decoding: SpecDecodingStats = field(default_factory=SpecDecodingStats)

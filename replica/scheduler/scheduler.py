@@ -2,9 +2,12 @@
 
 Each step: running requests first (preempting by recompute when the KV cache is short), then
 waiting requests, only if nothing was preempted. There are no prefill or decode phases: every
-request just advances num_computed_tokens towards num_tokens. Under the continuum policy a finished
-turn of an agent program may keep its blocks pinned for the program's next turn (pins.py).
+request just advances num_computed_tokens towards num_tokens_with_spec (its tokens and the drafts
+the speculative proposer attached to it; those the model rejects are taken back). Under the
+continuum policy a finished turn of an agent program may keep its blocks pinned for the program's
+next turn (pins.py).
 """
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Iterable
@@ -14,7 +17,8 @@ from replica.kv_cache import KVCacheManager
 from replica.request import Request, RequestStatus
 from replica.scheduler.config import SchedulerConfig
 from replica.scheduler.output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
-                                      RequestOutput, SchedulerOutput, SchedulerStats)
+                                      RequestOutput, SchedulerOutput, SchedulerStats,
+                                      SpecDecodingStats)
 from replica.scheduler.pin_keeper import PinKeeper
 from replica.scheduler.pins import Pins
 from replica.scheduler.request_queue import ContinuumRequestQueue, FCFSRequestQueue, PriorityRequestQueue
@@ -31,6 +35,7 @@ class _StepPlan:
     resumed: list[tuple[Request, list[int], int]] = field(default_factory=list)
     new: list[tuple[Request, list[int], int]] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)  # the drafts scheduled, by request
     prefix_hits: dict[str, tuple[int, int]] = field(default_factory=dict)   # for the trace
 
     def add(self, group: list, request: Request, num_tokens: int, block_ids: list[int]) -> None:
@@ -40,13 +45,17 @@ class _StepPlan:
 
     def undo_running(self, request: Request) -> None:
         self.token_budget += self.num_scheduled_tokens.pop(request.request_id)
+        self.spec_tokens.pop(request.request_id, None)
         self.running = [entry for entry in self.running if entry[0] is not request]
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, *, num_speculative_tokens: int = 0):
+        """num_speculative_tokens: the most drafts a request brings to a step; running requests get
+        slots for that many tokens beyond this step's, so the next step's drafts already have them."""
         self.config = config
+        self.num_lookahead_tokens = num_speculative_tokens
         self.kv_cache_manager = kv_cache_manager
         self.requests: dict[str, Request] = {}
         self._trace = SchedulerTrace.from_env()
@@ -64,6 +73,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.spec_decoding = SpecDecodingStats(num_accepted_tokens_per_pos=[0] * num_speculative_tokens)
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -105,7 +115,8 @@ class Scheduler:
             if num_new_tokens == 0 or self._has_all_tokens_in_flight(request):
                 index += 1  # pass it over (continue, not break): the requests after it may still run
                 continue
-            while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_new_tokens)) is None:
+            while (new_blocks := self.kv_cache_manager.allocate_slots(
+                    request, num_new_tokens, num_lookahead_tokens=self.num_lookahead_tokens)) is None:
                 if self._pin_keeper.release_one_for(request):
                     continue
                 victim_index = self._victim_index()
@@ -116,7 +127,17 @@ class Scheduler:
                 if victim_index < index:
                     index -= 1
             plan.add(plan.running, request, num_new_tokens, new_blocks.get_block_ids())
+            self._schedule_drafts(request, num_new_tokens, plan)
             index += 1
+
+    @staticmethod
+    def _schedule_drafts(request: Request, num_new_tokens: int, plan: _StepPlan) -> None:
+        """The drafts that fit in this step's tokens go to the runner (the budget may have trimmed
+        them); all are consumed: the proposer attaches fresh ones after the step."""
+        num_spec_tokens = request.num_computed_tokens + num_new_tokens - request.num_tokens
+        if num_spec_tokens > 0:
+            plan.spec_tokens[request.request_id] = request.spec_token_ids[:num_spec_tokens]
+        request.spec_token_ids = []
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         kv = self.kv_cache_manager
@@ -163,7 +184,7 @@ class Scheduler:
 
     def _num_new_tokens(self, request: Request, num_computed_tokens: int) -> int:
         """The request's uncomputed gap, before the step's remaining budget is applied."""
-        num_new_tokens = request.num_tokens + request.num_output_placeholders - num_computed_tokens
+        num_new_tokens = request.num_tokens_with_spec + request.num_output_placeholders - num_computed_tokens
         threshold = self.config.long_prefill_token_threshold
         if 0 < threshold < num_new_tokens:
             num_new_tokens = threshold
@@ -197,6 +218,7 @@ class Scheduler:
         self.kv_cache_manager.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
+        victim.spec_token_ids = []  # drafted from a context it will recompute
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(victim)
@@ -221,6 +243,7 @@ class Scheduler:
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - plan.token_budget,
             preempted_req_ids=set(plan.preempted),
             finished_req_ids=self.finished_req_ids,
+            scheduled_spec_decode_tokens=plan.spec_tokens,
         )
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
@@ -236,6 +259,8 @@ class Scheduler:
             # A request preempted while this step executed keeps its token: it recomputes it on resumption.
             was_running = request.status == RequestStatus.RUNNING
             request.num_output_placeholders = max(request.num_output_placeholders - 1, 0)
+            if was_running and (draft_token_ids := scheduler_output.scheduled_spec_decode_tokens.get(req_id)):
+                self._take_back_rejected(request, len(draft_token_ids), len(token_ids) - 1)
             new_token_ids = self._append_until_stop(request, token_ids)
             finished = request.is_finished()
             if finished:
@@ -251,6 +276,17 @@ class Scheduler:
         if stopped:
             self.running = [request for request in self.running if request not in stopped]
         return outputs
+
+    def _take_back_rejected(self, request: Request, num_draft_tokens: int, num_accepted: int) -> None:
+        """schedule() counted every draft as computed; from the first rejected one on, the positions are
+        computed again (their KV slots overwritten), starting with the token emitted in its place."""
+        request.num_computed_tokens -= num_draft_tokens - num_accepted
+        stats = self.spec_decoding
+        stats.num_drafts += 1
+        stats.num_draft_tokens += num_draft_tokens
+        stats.num_accepted_tokens += num_accepted
+        for position in range(num_accepted):
+            stats.num_accepted_tokens_per_pos[position] += 1
 
     def _append_until_stop(self, request: Request, token_ids: list[int]) -> list[int]:
         """Append sampled tokens one by one; the rest are dropped once the request stops."""
@@ -332,6 +368,9 @@ class Scheduler:
             num_free_blocks=self.kv_cache_manager.block_pool.get_num_free_blocks(),
             num_cached_blocks=len(self.kv_cache_manager.block_pool.cached_block_hash_to_block),
             pins=self._pin_keeper.snapshot(),
+            spec_decoding=dataclasses.replace(
+                self.spec_decoding,
+                num_accepted_tokens_per_pos=list(self.spec_decoding.num_accepted_tokens_per_pos)),
         )
 
     def num_waiting_uncached_tokens(self) -> int:

@@ -13,7 +13,7 @@ from cluster.serving import OpenAIServing
 from replica.async_engine import ModelInfo
 from replica.kv_cache import hash_token_blocks
 from replica.request import SamplingParams
-from replica.scheduler import PinStats, SchedulerStats
+from replica.scheduler import PinStats, SchedulerStats, SpecDecodingStats
 from router.messages import ReplicaSnapshot, RouterSnapshot
 
 from .fakes import BLOCK_SIZE, HASH_SEED, VOCAB_SIZE, FakeEngineClient, FakeTokenizer
@@ -360,7 +360,8 @@ def test_models_lists_the_served_model():
 
 def test_metrics_have_one_series_per_replica():
     stats = SchedulerStats(num_running=2, num_waiting=1, kv_usage=0.25, num_preemptions=3, prefix_cache_queries=40,
-                           prefix_cache_hits=16, num_cached_blocks=5, pins=PinStats(12, 9, 6, 2, 1, 300, 240))
+                           prefix_cache_hits=16, num_cached_blocks=5, pins=PinStats(12, 9, 6, 2, 1, 300, 240),
+                           spec_decoding=SpecDecodingStats(7, 18, 11, [6, 4, 1]))
     snapshot = RouterSnapshot("prefix", {"replica-a": ReplicaSnapshot(stats, 5, 2, 32, 16, 3)},
                               {"prefix_hit": 4, "no_hit": 1})
     app = make_app(FakeEngineClient("replica-a"), snapshot=snapshot)
@@ -375,9 +376,13 @@ def test_metrics_have_one_series_per_replica():
         "pins_released_total": 1.0, "next_turn_prefix_cache_queries_total": 300.0,
         "next_turn_prefix_cache_hits_total": 240.0, "kv_cached_blocks": 5.0, "router_index_blocks": 5.0, "router_requests_in_flight": 2.0,
         "router_parked_sessions": 3.0, "router_predicted_cached_tokens_total": 32.0,
-        "router_actual_cached_tokens_total": 16.0,
+        "router_actual_cached_tokens_total": 16.0, "spec_decode_num_drafts_total": 7.0,
+        "spec_decode_num_draft_tokens_total": 18.0, "spec_decode_num_accepted_tokens_total": 11.0,
     }
     for name, value in per_replica.items():
         assert f'prefixserve:{name}{{replica="replica-a"}} {value}' in lines
+    for position, value in enumerate([6.0, 4.0, 1.0]):
+        assert (f'prefixserve:spec_decode_num_accepted_tokens_per_pos_total{{position="{position}",'
+                f'replica="replica-a"}} {value}') in lines
     assert 'prefixserve:router_decisions_total{outcome="prefix_hit",policy="prefix"} 4.0' in lines
     assert 'prefixserve:router_decisions_total{outcome="no_hit",policy="prefix"} 1.0' in lines

@@ -33,6 +33,8 @@ def test_flags_reach_the_config(monkeypatch):
     assert parse("--queue-policy", "priority").engine.scheduler.policy == "priority"
     assert [parse(*flag).engine.scheduler.async_scheduling
             for flag in ((), ("--async-scheduling",), ("--no-async-scheduling",))] == [None, True, False]
+    spec = parse("--num-speculative-tokens", "3", "--ngram-min", "2", "--ngram-max", "5").engine
+    assert (spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max) == (3, 2, 5)
     assert parse("--api-key", "flag").api_key == "flag"
     limits = parse("--max-waiting-requests", "4", "--max-queued-requests", "16", "--max-request-body-bytes", "4096",
                    "--max-migrations", "0")
@@ -53,6 +55,8 @@ def test_autoscaling_starts_at_the_replica_count_within_bounds():
     (["--replicas", "0"], "num_replicas: Input should be greater than or equal to 1"),
     (["--block-size", "0"], "engine.cache.block_size: Input should be greater than or equal to 1"),
     (["--routing-policy", "random"], "invalid choice"),
+    (["--ngram-min", "3", "--ngram-max", "2"], "ngram_min=3 exceeds ngram_max=2"),
+    (["--num-speculative-tokens", "2", "--async-scheduling"], "speculative decoding schedules synchronously"),
 ])
 def test_bad_flags_exit_with_a_message(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
@@ -67,5 +71,5 @@ def test_help_documents_every_option(capsys):
     help_text = capsys.readouterr().out
     for option in ("--replicas", "--host", "--port", "--model", "--num-kv-blocks", "--kv-cache-gib", "--block-size",
                    "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len", "--policy", "--routing-policy",
-                   "--api-key", "--address"):
+                   "--api-key", "--address", "--num-speculative-tokens", "--ngram-min", "--ngram-max"):
         assert option in help_text

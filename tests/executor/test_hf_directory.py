@@ -80,14 +80,17 @@ def llama_dir(tmp_path_factory):
 
 def save_model(kind: str, tmp_path_factory):
     torch.manual_seed(0)
-    hf_model = MODELS[kind]().eval()
+    return save_checkpoint(MODELS[kind]().eval(), tmp_path_factory.mktemp(kind))
+
+
+def save_checkpoint(hf_model, directory):
+    """(directory, hf_model): the model saved as an HF directory with the byte tokenizer."""
     with torch.no_grad():
         for name, param in hf_model.named_parameters():
             if name.endswith("bias"):  # transformers starts them at zero
                 param.normal_(std=0.3)
             elif name.endswith(("q_norm.weight", "k_norm.weight")):  # and these at one
                 param.normal_(mean=1.0, std=0.3)
-    directory = tmp_path_factory.mktemp(kind)
     hf_model.save_pretrained(directory)
     byte_tokenizer_backend().save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps(

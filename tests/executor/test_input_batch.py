@@ -41,3 +41,15 @@ def test_all_decodes_make_one_group():
 def test_order_decodes_first_is_stable():
     assert order_decodes_first(["p1", "d1", "p2", "d2"], {"p1": 5, "d1": 1, "p2": 2, "d2": 1}) == [
         "d1", "d2", "p1", "p2"]
+
+
+def test_drafts_follow_the_last_token_and_every_position_of_theirs_gives_logits():
+    speculating = state("spec", 6, [7, 3], num_computed=5)
+    speculating.spec_token_ids = [40, 41]
+    states = [state("decode", 3, [1], 2), state("chunk", 10, [2, 9, 4], num_computed=0), speculating]
+    batch = prepare_inputs(states, [1, 4, 3], block_size=4, device=torch.device("cpu"))
+    assert batch.input_ids.tolist() == [102, 100, 101, 102, 103, 105, 40, 41]
+    assert batch.positions.tolist() == [2, 0, 1, 2, 3, 5, 6, 7]
+    assert batch.attention.slot_mapping.tolist()[5:] == [3 * 4 + 1, 3 * 4 + 2, 3 * 4 + 3]
+    assert batch.sample_rows == [0, 2]
+    assert batch.logits_indices.tolist() == [0, 5, 6, 7]

@@ -6,10 +6,10 @@ from replica.scheduler import ModelRunnerOutput, Scheduler, SchedulerConfig, Sch
 
 
 def make_scheduler(num_blocks: int = 100, block_size: int = 4, watermark: float = 0.0, clock=time.monotonic,
-                   **config) -> Scheduler:
+                   num_speculative_tokens: int = 0, **config) -> Scheduler:
     config.setdefault("max_model_len", 256)
     manager = KVCacheManager(num_blocks, block_size, watermark=watermark, max_model_len=config["max_model_len"])
-    return Scheduler(SchedulerConfig(**config), manager, clock)
+    return Scheduler(SchedulerConfig(**config), manager, clock, num_speculative_tokens=num_speculative_tokens)
 
 
 class FakeClock:
