@@ -35,6 +35,9 @@ class Tokenizer:
             raise ValueError(f"GGUF tokenizer model {model!r} is not supported (only 'gpt2', byte-level BPE, and "
                              "'llama', SentencePiece); load the model from a Hugging Face directory with "
                              "tokenizer.json instead")
+        required = ("tokenizer.ggml.tokens",) + (("tokenizer.ggml.scores",) if model == "llama" else ())
+        if missing := [key for key in required if key not in metadata]:
+            raise ValueError(f"GGUF tokenizer model {model!r} needs {', '.join(missing)}, which the file lacks")
         backend = _GGUF_TOKENIZER_MODELS[model](metadata)
         _add_vocabulary_tokens(backend, metadata)
         # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say

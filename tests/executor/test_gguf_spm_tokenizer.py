@@ -163,6 +163,12 @@ def test_an_unknown_tokenizer_model_is_named(metadata):
         Tokenizer.from_gguf_metadata({**metadata, "tokenizer.ggml.model": "bert"})
 
 
+def test_a_sentencepiece_vocabulary_without_scores_is_refused(metadata):
+    without_scores = {key: value for key, value in metadata.items() if key != "tokenizer.ggml.scores"}
+    with pytest.raises(ValueError, match="GGUF tokenizer model 'llama' needs tokenizer.ggml.scores, which the file"):
+        Tokenizer.from_gguf_metadata(without_scores)
+
+
 @pytest.mark.slow
 def test_ids_match_transformers_gguf_conversion(tokenizer, gguf_path):
     """transformers' own tokenizer from the same file, where it agrees with SentencePiece: its Metaspace
