@@ -122,9 +122,7 @@ class OpenAIServing:
         try:
             replica_id = (await anext(outputs)).replica_id
         except EnginesBusy as exc:
-            raise APIError("The server has too many requests waiting; retry later.", status_code=429,
-                           type="rate_limit_error", code="server_overloaded",
-                           headers={"Retry-After": str(math.ceil(exc.retry_after_s))}) from None
+            raise overloaded(exc) from None
         except ReplicaLost:
             raise replica_lost() from None
         progress = _Progress(RequestTracker(self.metrics, replica_id, arrival_time), self._token_text,
@@ -167,6 +165,8 @@ class OpenAIServing:
                 progress.add(output)
         except ValueError as exc:  # the engine refused the request
             raise APIError(str(exc)) from None
+        except EnginesBusy as exc:  # its replica was lost, and no other has room for the rest
+            raise overloaded(exc) from None
         except ReplicaLost:
             raise replica_lost() from None
         finally:
@@ -185,6 +185,8 @@ class OpenAIServing:
                 yield response_format.usage_chunk(progress.usage())
         except ValueError as exc:
             yield sse(APIError(str(exc)).body())
+        except EnginesBusy as exc:
+            yield sse(overloaded(exc).body())
         except ReplicaLost:
             yield sse(replica_lost().body())
         except Exception:
@@ -210,6 +212,12 @@ class OpenAIServing:
 def internal_error() -> APIError:
     return APIError("The server had an error while processing your request.", status_code=500,
                     type="server_error")
+
+
+def overloaded(exc: EnginesBusy) -> APIError:
+    return APIError("The server has too many requests waiting; retry later.", status_code=429,
+                    type="rate_limit_error", code="server_overloaded",
+                    headers={"Retry-After": str(math.ceil(exc.retry_after_s))})
 
 
 def replica_lost() -> APIError:

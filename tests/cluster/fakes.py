@@ -114,11 +114,11 @@ class FakeEngineClient:
     None: before it names itself. The nth attempt (from 0) is served by replica_id, then replica_id/1, ...
     """
 
-    def __init__(self, replica_id: str = "replica-a", *, error: Exception | None = None, busy: bool = False,
+    def __init__(self, replica_id: str = "replica-a", *, error: Exception | None = None, busy_from: int | None = None,
                  lost_after: Sequence[int | None] = ()):
         self.replica_id = replica_id
         self.error = error
-        self.busy = busy  # no room for another request: EnginesBusy instead of the opening output
+        self.busy_from = busy_from  # from this attempt on no room: EnginesBusy instead of the opening output
         self.lost_after = lost_after
         self.requests: list[EngineRequest] = []
         self.abandoned: list[str] = []  # requests whose stream was closed before they finished
@@ -128,7 +128,7 @@ class FakeEngineClient:
         self.requests.append(request)
         lost_after = self.lost_after[attempt] if attempt < len(self.lost_after) else math.inf
         core = FakeEngineCore()
-        if self.busy:
+        if self.busy_from is not None and attempt >= self.busy_from:
             raise EnginesBusy(retry_after_s=0.5)
         if lost_after is None:
             raise ReplicaLost("replica died before its first output")

@@ -172,7 +172,7 @@ def test_engine_failure_mid_stream_is_an_error_event_then_done():
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_no_room_in_any_engine_is_429_with_retry_after(stream):
-    response = request(make_app(FakeEngineClient(busy=True)), "POST", "/v1/completions",
+    response = request(make_app(FakeEngineClient(busy_from=0)), "POST", "/v1/completions",
                        json={"model": MODEL, "prompt": "hello", "stream": stream})
     assert (response.status_code, response.headers["retry-after"]) == (429, "1")
     assert response.json() == {"error": {

@@ -104,6 +104,20 @@ def test_past_the_migration_limit_the_response_is_a_503(lost_after):
     assert (response.json()["error"]["type"], response.json()["error"]["code"]) == ("server_error", "replica_lost")
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_migration_that_finds_no_room_is_a_429(stream):
+    response, metrics = post(engine := FakeEngineClient(lost_after=[2], busy_from=1), stream=stream)
+    assert len(engine.requests) == 2
+    overloaded = {"error": {"message": "The server has too many requests waiting; retry later.",
+                            "type": "rate_limit_error", "param": None, "code": "server_overloaded"}}
+    if stream:
+        assert [chunk["choices"][0]["text"] for chunk in events(response)[:2]] == ["t0 ", "t1 "]
+        assert events(response)[2:] == [overloaded, "[DONE]"]
+    else:
+        assert (response.status_code, response.headers["retry-after"], response.json()) == (429, "1", overloaded)
+    assert "prefixserve:request_migrations_total 1.0" in metrics.splitlines()
+
+
 def test_an_engine_error_is_not_a_lost_replica():
     response, metrics = post(engine := FakeEngineClient(error=ValueError("the engine refused it")), stream=True)
     assert len(engine.requests) == 1
