@@ -28,6 +28,7 @@ class RouterPublisher:
         self._needs_resync = False
         self._resync_seq = 0  # replies to batches sent before this resync are stale
         self._finished: list[FinishedRequest] = []
+        self._router_unreachable = False  # warned once, until it is reached again
 
     def request_finished(self, request_id: str, num_cached_tokens: int | None) -> None:
         """A request ended here (finished or aborted; num_cached_tokens None if it never got scheduled)."""
@@ -41,9 +42,15 @@ class RouterPublisher:
         try:
             router = await self._router.get()
         except Exception as exc:
-            logger.warning("replica %s cannot reach the router actor: %r", self.replica_id, exc)
+            if not self._router_unreachable:
+                logger.warning("replica %s cannot reach the router actor: %r; looking it up again after every "
+                               "step", self.replica_id, exc)
+            self._router_unreachable = True
             self._needs_resync = True  # this step's events are lost
             return
+        if self._router_unreachable:
+            logger.warning("replica %s reached the router actor again", self.replica_id)
+            self._router_unreachable = False
         self._seq += 1
         if self._needs_resync:
             self._needs_resync = False

@@ -1,6 +1,7 @@
 """Replica <-> router protocol without Ray: RouterPublisher talking to a RouterActor through a fake handle."""
 import asyncio
 import concurrent.futures
+import logging
 
 from cluster.publisher import RouterPublisher
 from replica.kv_cache import hash_token_blocks
@@ -132,19 +133,29 @@ def test_a_new_router_gets_a_resync_once():
 
 
 def test_an_unreachable_router_is_looked_up_again_then_resynced():
-    client = FakeRouterClient(FakeRouterHandle(new_router()), unreachable=1)
+    client = FakeRouterClient(FakeRouterHandle(new_router()), unreachable=3)
 
     async def test():
         core = FakeEngineCore()
         publisher = RouterPublisher("r1", client)
         add_prompt(core, "a", list(range(8)))
-        await publisher.publish(core)  # lost: no router
-        await publisher.publish(core)
+        for _ in range(4):  # the first three lost: no router
+            await publisher.publish(core)
         await client.handle.deliver()
 
-    asyncio.run(test())
-    assert client.lookups == 2
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    publisher_logger = logging.getLogger("ray.serve.prefixserve.publisher")  # ray's loggers do not propagate
+    publisher_logger.addHandler(handler)
+    try:
+        asyncio.run(test())
+    finally:
+        publisher_logger.removeHandler(handler)
+    assert client.lookups == 4
     assert client.handle.delivered == [("resync", 1)]
+    assert [record.getMessage().split(":")[0] for record in records] == [
+        "replica r1 cannot reach the router actor", "replica r1 reached the router actor again"]
     assert client.handle.actor.index.match(prompt_hashes(list(range(8)))) == {"r1": 2}
 
 
