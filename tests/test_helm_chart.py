@@ -292,6 +292,8 @@ DASHBOARD_METRICS = {
     "prefixserve:prefix_cache_hits_total", "prefixserve:prefix_cache_queries_total",
     "prefixserve:num_preemptions_total", "prefixserve:num_requests_running", "prefixserve:num_requests_waiting",
     "ray_prefixserve_autoscaling_target_replicas", "ray_prefixserve_autoscaling_decisions_total",
+    "prefixserve:spec_decode_num_accepted_tokens_total", "prefixserve:spec_decode_num_draft_tokens_total",
+    "prefixserve:spec_decode_num_accepted_tokens_per_pos_total", "prefixserve:spec_decode_num_drafts_total",
 }
 
 
