@@ -1,5 +1,6 @@
 """The real app serving a model that is not Llama from an HF directory (`prefixserve serve --model DIR`):
-a tiny random Qwen3 saved by transformers, read through the openai client, greedy tokens as transformers'."""
+a tiny random Qwen3 saved by transformers, with speculative decoding, read through the openai client,
+greedy tokens as transformers'."""
 import openai
 import pytest
 import torch
@@ -8,7 +9,7 @@ from cluster.config import ClusterConfig
 from replica.executor.checkpoint import load_checkpoint
 from tests.executor.test_hf_directory import PROMPTS, save_model
 
-from .test_e2e import served
+from .test_e2e import metric_values, served
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 transformers = pytest.importorskip("transformers")
@@ -17,7 +18,8 @@ transformers = pytest.importorskip("transformers")
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory):
     directory, hf_model = save_model("qwen3", tmp_path_factory)
-    config = ClusterConfig(engine={"model": str(directory), "dtype": "float32", "num_kv_blocks": 32}, num_replicas=1)
+    config = ClusterConfig(engine={"model": str(directory), "dtype": "float32", "num_kv_blocks": 32,
+                                   "num_speculative_tokens": 3}, num_replicas=1)
     with served(config) as base_url:
         yield base_url, directory, hf_model
 
@@ -39,3 +41,5 @@ def test_a_qwen3_directory_served_to_the_openai_client(qwen3):
             # random bytes: the text holds back a UTF-8 sequence the last tokens leave unfinished
             assert choice.text and tokenizer.decode(theirs).startswith(choice.text)
             assert completion.usage.completion_tokens == 8
+    drafts = metric_values(base_url, "spec_decode_num_draft_tokens_total")
+    assert len(drafts) == 1 and next(iter(drafts.values())) > 0  # byte-level prompts repeat their bytes
