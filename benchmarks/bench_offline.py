@@ -3,6 +3,7 @@
     python benchmarks/bench_offline.py      # 64 prompts x 256 tokens, 64 output tokens each, vs transformers
     python benchmarks/bench_offline.py --vllm-python VENV/bin/python --vllm-model HF_DIR   # vLLM as well
     python benchmarks/bench_offline.py --workload nano-vllm --random-model qwen3-0.6b --device cuda --skip-hf
+    python benchmarks/bench_offline.py --async-scheduling   # synchronous vs async scheduling, alternating
 
 Workloads: "fixed" (--num-prompts prompts of --input-len tokens, --output-len output tokens each)
 and "nano-vllm" (nano-vllm's bench.py: 256 sequences, input and output lengths uniform in
