@@ -315,6 +315,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--deadline-s", type=float, default=300.0, help="a request unanswered by then hangs")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--runs", nargs="+", choices=["quiet", "chaos"], default=["quiet", "chaos"])
+    parser.add_argument("--async-scheduling", action="store_true", help="engine replicas schedule asynchronously")
     args = parser.parse_args(argv)
     if args.quiet_requests is None:
         args.quiet_requests = args.requests
@@ -332,7 +333,7 @@ def main(argv: list[str] | None = None) -> list[RunResult]:
         results = []
         for run in args.runs:
             serve.delete(APP_NAME)  # fresh replicas, cold caches, for each run
-            base_url = deploy(ENGINE, args.replicas)
+            base_url = deploy(ENGINE | {"async_scheduling": args.async_scheduling}, args.replicas)
             model = httpx.get(f"{base_url}/v1/models").json()["data"][0]["id"]
             results.append(asyncio.run(soak(base_url, model, args, chaos=run == "chaos")))
     print(table(results))
