@@ -41,6 +41,11 @@ class EngineConfig(pydantic.BaseModel):
     ngram_min: int = pydantic.Field(1, ge=1)  # the shortest suffix of a request's tokens looked up
     ngram_max: int = pydantic.Field(4, ge=1)  # the longest
 
+    @property
+    def async_scheduling(self) -> bool | None:
+        """The scheduler section's: EngineConfig(async_scheduling=True) sets it there."""
+        return self.scheduler.async_scheduling
+
     @pydantic.model_validator(mode="before")
     @classmethod
     def _nest_flat_fields(cls, values: Any) -> Any:

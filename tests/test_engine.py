@@ -244,6 +244,8 @@ def test_engine_config_rejects_bad_values():
 def test_flat_engine_args_fill_the_nested_sections():
     config = EngineConfig(block_size=32, reserve_full_sequence=False, max_model_len=64)
     assert (config.cache.block_size, config.scheduler.reserve_full_sequence, config.max_model_len) == (32, False, 64)
+    assert [EngineConfig(**flag).async_scheduling for flag in ({}, {"async_scheduling": True})] == [None, True]
+    assert EngineConfig(async_scheduling=False).scheduler.async_scheduling is False
     with pytest.raises(ValueError, match="not on its scheduler"):
         EngineConfig(scheduler={"max_model_len": 64})
 
