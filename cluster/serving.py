@@ -121,10 +121,8 @@ class OpenAIServing:
         outputs = self.engine.generate(request)
         try:
             replica_id = (await anext(outputs)).replica_id
-        except EnginesBusy as exc:
-            raise overloaded(exc) from None
-        except ReplicaLost:
-            raise replica_lost() from None
+        except (EnginesBusy, ReplicaLost) as exc:
+            raise engine_error(exc) from None
         progress = _Progress(RequestTracker(self.metrics, replica_id, arrival_time), self._token_text,
                              [] if params.logprobs else None)
         if body.stream:
@@ -163,12 +161,8 @@ class OpenAIServing:
         try:
             async for output in outputs:
                 progress.add(output)
-        except ValueError as exc:  # the engine refused the request
-            raise APIError(str(exc)) from None
-        except EnginesBusy as exc:  # its replica was lost, and no other has room for the rest
-            raise overloaded(exc) from None
-        except ReplicaLost:
-            raise replica_lost() from None
+        except ENGINE_ERRORS as exc:
+            raise engine_error(exc) from None
         finally:
             await outputs.aclose()
 
@@ -183,12 +177,8 @@ class OpenAIServing:
                     yield response_format.chunk(output.new_text, output.finish_reason, logprobs)
             if include_usage:
                 yield response_format.usage_chunk(progress.usage())
-        except ValueError as exc:
-            yield sse(APIError(str(exc)).body())
-        except EnginesBusy as exc:
-            yield sse(overloaded(exc).body())
-        except ReplicaLost:
-            yield sse(replica_lost().body())
+        except ENGINE_ERRORS as exc:
+            yield sse(engine_error(exc).body())
         except Exception:
             # The status line is already sent: report the failure in the stream, as OpenAI does.
             logger.exception("stream %s failed", response_format.response_id)
@@ -214,13 +204,19 @@ def internal_error() -> APIError:
                     type="server_error")
 
 
-def overloaded(exc: EnginesBusy) -> APIError:
-    return APIError("The server has too many requests waiting; retry later.", status_code=429,
-                    type="rate_limit_error", code="server_overloaded",
-                    headers={"Retry-After": str(math.ceil(exc.retry_after_s))})
+ENGINE_ERRORS = (ValueError, EnginesBusy, ReplicaLost)
 
 
-def replica_lost() -> APIError:
-    """Every engine replica the request was sent to (migration's attempts) was lost before it finished."""
-    return APIError("The engine replica serving this request was lost, and so were its migrations' replicas; "
-                    "retry the request.", status_code=503, type="server_error", code="replica_lost")
+def engine_error(exc: Exception) -> APIError:
+    """The answer to one of ENGINE_ERRORS from the engine client, at any point of a request."""
+    match exc:
+        case EnginesBusy():  # no replica has room: for the request, or for its rest after a migration
+            return APIError("The server has too many requests waiting; retry later.", status_code=429,
+                            type="rate_limit_error", code="server_overloaded",
+                            headers={"Retry-After": str(math.ceil(exc.retry_after_s))})
+        case ReplicaLost():  # every replica it was sent to (migration's attempts) was lost before it finished
+            return APIError("The engine replica serving this request was lost, and so were its migrations' "
+                            "replicas; retry the request.", status_code=503, type="server_error",
+                            code="replica_lost")
+        case _:  # the engine refused the request
+            return APIError(str(exc))

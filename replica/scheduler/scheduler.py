@@ -95,10 +95,11 @@ class Scheduler:
         if not plan.preempted:
             self._schedule_waiting(plan)
         output = self._make_output(plan)
+        async_scheduling = self.config.async_scheduling
         for group in (plan.running, plan.resumed, plan.new):
             for request, _, num_tokens in group:
                 request.num_computed_tokens += num_tokens
-                if self.config.async_scheduling and \
+                if async_scheduling and \
                         request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
                     request.num_output_placeholders += 1  # this step samples a token the next one builds on
         self.finished_req_ids = set()
@@ -127,7 +128,8 @@ class Scheduler:
                 if victim_index < index:
                     index -= 1
             plan.add(plan.running, request, num_new_tokens, new_blocks.get_block_ids())
-            self._schedule_drafts(request, num_new_tokens, plan)
+            if request.spec_token_ids:
+                self._schedule_drafts(request, num_new_tokens, plan)
             index += 1
 
     @staticmethod
