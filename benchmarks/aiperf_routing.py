@@ -60,8 +60,7 @@ def serving(policy: str, args: argparse.Namespace) -> Iterator[str]:
                "--replicas", str(args.replicas), "--replica-cpus", str(args.replica_cpus),
                "--routing-policy", policy.removesuffix(SESSIONS_SUFFIX), "--num-kv-blocks", str(args.num_kv_blocks),
                "--max-model-len", str(args.max_model_len)]
-    # Ray's local-only switch: its node address becomes 127.0.0.1 instead of the host's.
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     log = args.artifact_dir / policy / "server.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as out:

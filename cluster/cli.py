@@ -107,30 +107,81 @@ def config_from_args(args: argparse.Namespace):
 
 
 def serve_until_interrupted(config, *, address: str | None, host: str, port: int) -> None:
+    from cluster.local_ray import is_listened_on
+
+    if is_listened_on(host, port):
+        sys.exit(f"prefixserve: {host}:{port} is already in use (another server listens there): "
+                 "stop it or choose another --port")
+    if address is None:
+        _serve_on_a_local_cluster(config, host, port)
+    else:
+        _serve_on_a_joined_cluster(config, address, host, port)
+
+
+def _serve_on_a_local_cluster(config, host: str, port: int) -> None:
+    import ray
+    from ray import serve
+
     from cluster.local_ray import init_local_ray
 
-    starts_cluster = address is None
-    if starts_cluster:
-        init_local_ray(_local_num_cpus(config))  # first: it must see ray imported for the first time
+    init_local_ray(_local_num_cpus(config))
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        _run_until_interrupted(config, host, port)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _serve_on_a_joined_cluster(config, address: str, host: str, port: int) -> None:
+    """Deploy our app beside the cluster's others; on the way out, remove only ours."""
+    import ray
+    from ray import serve
+
+    from cluster.app import APP_NAME
+
+    ray.init(address=address)
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        _refuse_to_share_serve(host, port)
+        try:
+            _run_until_interrupted(config, host, port)
+        finally:
+            serve.delete(APP_NAME)
+    finally:
+        ray.shutdown()
+
+
+def _refuse_to_share_serve(host: str, port: int) -> None:
+    """Serve runs once per cluster: an instance already there keeps its own HTTP address, and
+    deploying under its app's name would replace that app."""
+    from ray import serve
+    from ray.serve.context import _get_global_client
+
+    from cluster.app import APP_NAME
+
+    http = _get_global_client().http_config
+    if (http.host, http.port) != (host, port):
+        sys.exit(f"prefixserve: Ray Serve already runs on this cluster at {http.host}:{http.port}, "
+                 f"not {host}:{port}: pass --host {http.host} --port {http.port}")
+    if APP_NAME in serve.status().applications:
+        sys.exit(f"prefixserve: an app named {APP_NAME!r} already runs on this cluster: "
+                 "stop that instance first, or start a cluster of its own (no --address)")
+
+
+def _run_until_interrupted(config, host: str, port: int) -> None:
     import ray
     from ray import serve
 
     from cluster.app import APP_NAME, build
 
-    if not starts_cluster:
-        ray.init(address=address)
     try:
-        serve.start(http_options={"host": host, "port": port})
         serve.run(build(config), name=APP_NAME, route_prefix="/")
-        print(f"prefixserve: serving on http://{host}:{port}/v1 (Ctrl-C to stop)", flush=True)
+        print(f"prefixserve: serving on http://{host}:{port}/v1 from Ray node {ray.util.get_node_ip_address()} "
+              "(Ctrl-C to stop)", flush=True)
         _wait_for_signal()
     finally:
         print("prefixserve: shutting down", flush=True)
-        if starts_cluster:
-            serve.shutdown()
-        else:
-            serve.delete(APP_NAME)  # the cluster and its other apps are not ours
-        ray.shutdown()
 
 
 def _local_num_cpus(config) -> int:

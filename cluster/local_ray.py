@@ -1,25 +1,35 @@
 """A private Ray cluster on this machine, on loopback only."""
+import errno
 import os
 import socket
 
 LOOPBACK = "127.0.0.1"
+_SINGLE_MACHINE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def keep_ray_on_loopback() -> None:
+    """Make every Ray process started from here take 127.0.0.1 as its node address.
+
+    Ray turns 127.0.0.1 into the machine's outward address unless its cluster is marked
+    single-machine. Its processes read that mark from the environment when they import ray; this
+    process may have imported ray already, so its copy of the mark is set too.
+    """
+    os.environ[_SINGLE_MACHINE_ENV] = "0"
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    from ray._private import ray_constants
+    ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 def init_local_ray(num_cpus: int, **init_args) -> None:
-    """Start Ray with every node on 127.0.0.1, so no traffic leaves loopback.
-
-    Ray turns 127.0.0.1 into the machine's outward address unless its cluster is marked
-    single-machine, which it reads when ray is first imported: the caller that imports ray
-    earlier must set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 first.
-    """
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    """Start a new Ray cluster of this process alone, every node on 127.0.0.1, so no traffic leaves
+    loopback. `address="local"`: never join the cluster that RAY_ADDRESS or `ray start` points to."""
+    keep_ray_on_loopback()
     import ray
-    context = ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address=LOOPBACK, **init_args)
+    context = ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address=LOOPBACK,
+                       **init_args)
     if context.address_info["node_ip_address"] != LOOPBACK:
         ray.shutdown()
-        raise RuntimeError(f"Ray started on {context.address_info['node_ip_address']}, not {LOOPBACK}: "
-                           "set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before ray is imported")
+        raise RuntimeError(f"Ray started on {context.address_info['node_ip_address']}, not {LOOPBACK}")
 
 
 def free_port() -> int:
@@ -27,3 +37,17 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind((LOOPBACK, 0))
         return sock.getsockname()[1]
+
+
+def is_listened_on(host: str, port: int) -> bool:
+    """Whether something listens on host:port. Ray Serve's proxy binds with SO_REUSEPORT, so a second
+    one on a busy port would start silently and share its connections; a plain bind fails there."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed server's TIME_WAIT is no listener
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return True
+            raise
+    return False

@@ -20,7 +20,7 @@ from ray.cluster_utils import Cluster
 
 from cluster.app import APP_NAME, build
 from cluster.config import ClusterConfig
-from cluster.local_ray import LOOPBACK, free_port
+from cluster.local_ray import LOOPBACK, free_port, keep_ray_on_loopback
 from cluster.protocol import REPLICA_HEADER
 
 from .test_e2e import MODEL, metric_values
@@ -35,6 +35,7 @@ RECOVERY_TIMEOUT_S = 120
 
 @pytest.fixture(scope="module")
 def cluster():
+    keep_ray_on_loopback()
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "node_ip_address": LOOPBACK, "include_dashboard": False, "env_vars": {"RAY_AUTH_MODE": "disabled"}})
     workers = [cluster.add_node(num_cpus=2, node_ip_address=LOOPBACK) for _ in range(2)]
