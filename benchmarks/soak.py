@@ -4,8 +4,10 @@
 greedy and sampled, random lengths, prompts opening with one of a few shared prefixes, and
 --drop-rate of the streams abandoned by their client after the first chunk. A chaos task kills a
 random engine replica every --kill-every-s seconds (Serve replaces it) and the router actor once,
-a third of the way in (the next caller recreates it and the replicas resync into it). The same
-workload then runs against a fresh, quiet app in the same session.
+at --router-kill-at-s (the next caller recreates it and the replicas resync into it). Faults can be
+scheduled by progress as well: --kill-every-requests K kills a replica every K ended requests and
+--router-kill-at-requests N the router after N, each fault at its time or its count, whichever comes
+first. The same workload then runs against a fresh, quiet app in the same session.
 
 Every request must end within --deadline-s: completed, or an error only when every replica it
 was sent to died (migration gave up); a request past the deadline is a hang. Once the load
@@ -14,16 +16,18 @@ must hold exactly the blocks in each live replica's prefix cache, and no dead re
 table (benchmarks/results/soak.md) and exits 1 when a check fails.
 
     python benchmarks/soak.py [--requests 10000] [--quiet-requests N] [--clients 64] [--replicas 4]
-                              [--kill-every-s 60]
+                              [--kill-every-s 60] [--kill-every-requests K] [--router-kill-at-requests N]
 """
 import argparse
 import asyncio
 import functools
 import json
+import math
 import random
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,6 +44,7 @@ ENGINE = {"num_kv_blocks": 512, "max_model_len": 1024, "max_num_seqs": 32}
 NUM_PREFIXES = 8
 DRAIN_TIMEOUT_S = 120.0
 PROGRESS_EVERY = 500
+CHAOS_POLL_S = 0.05
 
 
 @dataclass
@@ -151,11 +156,11 @@ def _error_outcome(status: int, text: str) -> Outcome:
     return Outcome("gave_up" if "replica_lost" in text else "failed", detail=f"{status} {text[:200]}")
 
 
-async def run_load(base_url: str, model: str, args: argparse.Namespace, num_requests: int
-                   ) -> tuple[list[Outcome], float]:
+async def run_load(base_url: str, model: str, args: argparse.Namespace, num_requests: int,
+                   outcomes: list[Outcome]) -> float:
+    """Sends the requests, appending each one's outcome as it ends; returns the wall time."""
     workload = Workload(args.seed, model, args.drop_rate)
     requests = iter([workload.request() for _ in range(num_requests)])
-    outcomes: list[Outcome] = []
     limits = httpx.Limits(max_connections=args.clients)
 
     async def client_loop(client: httpx.AsyncClient) -> None:
@@ -168,29 +173,50 @@ async def run_load(base_url: str, model: str, args: argparse.Namespace, num_requ
     started = time.monotonic()
     async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=None) as client:
         await asyncio.gather(*(client_loop(client) for _ in range(args.clients)))
-    return outcomes, time.monotonic() - started
+    return time.monotonic() - started
 
 
 class Chaos:
-    """Kills a random engine replica every kill_every_s, and the router actor once at router_at_s."""
+    """Kills a random engine replica every kill_every_s or kill_every_requests ended requests, and the router
+    actor once, at router_kill_at_s or router_kill_at_requests: each fault at its time or at its count of ended
+    requests, whichever comes first."""
 
-    def __init__(self, kill_every_s: float, router_at_s: float, seed: int):
-        self.kill_every_s = kill_every_s
-        self.router_at_s = router_at_s
-        self.rng = random.Random(seed)
+    def __init__(self, args: argparse.Namespace, num_ended: Callable[[], int]):
+        self.args = args
+        self.num_ended = num_ended
+        self.rng = random.Random(args.seed)
         self.kills: list[str] = []
+        self.started = time.monotonic()
+        self.num_engine_kills = 0
+        self.router_pending = True
+        self.stopping = False
 
     async def run(self) -> None:
-        started = time.monotonic()
-        next_engine_kill_s, router_pending = self.kill_every_s, True
-        while True:
-            if router_pending and self.router_at_s <= next_engine_kill_s:
-                at_s, kill, router_pending = self.router_at_s, kill_router, False
+        """Until stop(): a kill under way when it is called still completes and is recorded."""
+        while not self.stopping:
+            kill = self.due_kill()
+            if kill is None:
+                await asyncio.sleep(CHAOS_POLL_S)
             else:
-                at_s, kill = next_engine_kill_s, functools.partial(kill_engine_replica, self.rng)
-                next_engine_kill_s += self.kill_every_s
-            await asyncio.sleep(max(0.0, started + at_s - time.monotonic()))
-            self.kills.append(await asyncio.to_thread(kill))
+                self.kills.append(await asyncio.to_thread(kill))
+
+    def stop(self) -> None:
+        self.stopping = True
+
+    def due_kill(self) -> Callable[[], str] | None:
+        """The next kill whose time or count has come (counted as done), if any."""
+        args = self.args
+        if self.router_pending and self._due(args.router_kill_at_s, args.router_kill_at_requests):
+            self.router_pending = False
+            return kill_router
+        next_kill = self.num_engine_kills + 1
+        if self._due(next_kill * args.kill_every_s, next_kill * args.kill_every_requests):
+            self.num_engine_kills = next_kill
+            return functools.partial(kill_engine_replica, self.rng)
+        return None
+
+    def _due(self, at_s: float, at_requests: float) -> bool:
+        return time.monotonic() - self.started >= at_s or self.num_ended() >= at_requests
 
 
 def engine_replica_actors() -> dict[str, str]:
@@ -258,15 +284,17 @@ def _held(series: dict[str, float]) -> str:
 
 
 async def soak(base_url: str, model: str, args: argparse.Namespace, *, chaos: bool) -> RunResult:
+    outcomes: list[Outcome] = []
     chaos_task = None
-    killer = Chaos(args.kill_every_s, args.router_kill_at_s, args.seed)
+    killer = Chaos(args, num_ended=outcomes.__len__)
     if chaos:
         chaos_task = asyncio.create_task(killer.run())
     try:
-        outcomes, wall_s = await run_load(base_url, model, args, args.requests if chaos else args.quiet_requests)
+        wall_s = await run_load(base_url, model, args, args.requests if chaos else args.quiet_requests, outcomes)
     finally:
         if chaos_task is not None:
-            chaos_task.cancel()
+            killer.stop()
+            await chaos_task
     result = RunResult("chaos" if chaos else "quiet", wall_s, outcomes, killer.kills)
     await check_drained(base_url, result)
     return result
@@ -311,6 +339,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kill-every-s", type=float, default=60.0)
     parser.add_argument("--router-kill-at-s", type=float, default=None,
                         help="when the router actor dies (default: 1.5 x --kill-every-s)")
+    parser.add_argument("--kill-every-requests", type=int, default=None,
+                        help="also kill an engine replica every this many ended requests, if sooner than by time")
+    parser.add_argument("--router-kill-at-requests", type=int, default=None,
+                        help="also kill the router actor after this many ended requests, if sooner than by time")
     parser.add_argument("--drop-rate", type=float, default=0.1, help="share of streams the client abandons")
     parser.add_argument("--deadline-s", type=float, default=300.0, help="a request unanswered by then hangs")
     parser.add_argument("--seed", type=int, default=0)
@@ -321,6 +353,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.quiet_requests = args.requests
     if args.router_kill_at_s is None:
         args.router_kill_at_s = args.kill_every_s * 1.5
+    for option in ("kill_every_requests", "router_kill_at_requests"):
+        if getattr(args, option) is None:
+            setattr(args, option, math.inf)  # by time only
     return args
 
 

@@ -34,11 +34,11 @@ def output_text(index: int) -> str:
 
 
 class FakeEngineCore:
-    """Generates token 100 + i as text "t<i> " until max_tokens; reports a cached-prefix of one block. Asked
-    for logprobs, token i has -(i + 1) / 4, and the runner-up token 33 ("!") 1 less. Given output tokens
+    """Generates token 100 + i as text "t<i> " until max_tokens; reports num_cached_tokens as the prompt's hit.
+    Asked for logprobs, token i has -(i + 1) / 4, and the runner-up token 33 ("!") 1 less. Given output tokens
     (a migrated request), it goes on after them."""
 
-    def __init__(self, *, fail_step: bool = False):
+    def __init__(self, *, fail_step: bool = False, num_cached_tokens: int = BLOCK_SIZE):
         self.requests: dict[str, EngineRequest] = {}  # unfinished
         self.added: list[EngineRequest] = []
         self.generated: dict[str, int] = {}
@@ -46,6 +46,7 @@ class FakeEngineCore:
         self.num_steps = 0
         self.num_idle_pin_sweeps = 0
         self.fail_step = fail_step
+        self.num_cached_tokens = num_cached_tokens
         self.cached: list[bytes] = []
         self._events: list = []
 
@@ -78,7 +79,7 @@ class FakeEngineCore:
             top = [(100 + index, logprob), (33, logprob - 1)][:params.top_logprobs]
             outputs.append(EngineOutput(request_id, [100 + index], output_text(index), finished,
                                         "length" if finished else None, len(request.prompt_token_ids),
-                                        BLOCK_SIZE, [logprob] if params.logprobs else None,
+                                        self.num_cached_tokens, [logprob] if params.logprobs else None,
                                         [top] if params.top_logprobs else None))
             if finished:
                 del self.requests[request_id]
@@ -111,7 +112,8 @@ class FakeEngineClient:
     """The ingress's view of the engine deployment: an output naming the replica, then a FakeEngineCore's.
 
     lost_after[n]: the replica of a request's (n + 1)th attempt is lost (ReplicaLost) after that many outputs,
-    None: before it names itself. The nth attempt (from 0) is served by replica_id, then replica_id/1, ...
+    None: before it names itself. The nth attempt (from 0) is served by replica_id, then replica_id/1, ...;
+    each reports a hit of n + 1 blocks (cached_tokens(n)), so that a test can tell whose count was kept.
     """
 
     def __init__(self, replica_id: str = "replica-a", *, error: Exception | None = None, busy_from: int | None = None,
@@ -127,7 +129,7 @@ class FakeEngineClient:
         attempt = sum(sent.request_id == request.request_id for sent in self.requests)
         self.requests.append(request)
         lost_after = self.lost_after[attempt] if attempt < len(self.lost_after) else math.inf
-        core = FakeEngineCore()
+        core = FakeEngineCore(num_cached_tokens=cached_tokens(attempt))
         if self.busy_from is not None and attempt >= self.busy_from:
             raise EnginesBusy(retry_after_s=0.5)
         if lost_after is None:
@@ -149,6 +151,11 @@ class FakeEngineClient:
         finally:
             if core.has_unfinished():
                 self.abandoned.append(request.request_id)
+
+
+def cached_tokens(attempt: int) -> int:
+    """The prompt's hit reported by the replica of a request's nth attempt (from 0)."""
+    return (attempt + 1) * BLOCK_SIZE
 
 
 class FakeRouterClient:

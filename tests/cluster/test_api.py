@@ -16,7 +16,7 @@ from replica.request import SamplingParams
 from replica.scheduler import PinStats, SchedulerStats, SpecDecodingStats
 from router.messages import ReplicaSnapshot, RouterSnapshot
 
-from .fakes import BLOCK_SIZE, HASH_SEED, VOCAB_SIZE, FakeEngineClient, FakeTokenizer
+from .fakes import BLOCK_SIZE, HASH_SEED, VOCAB_SIZE, FakeEngineClient, FakeTokenizer, cached_tokens
 
 MODEL = "fake-model"
 MAX_MODEL_LEN = 64
@@ -73,7 +73,7 @@ def test_completion_returns_text_usage_and_the_serving_replica():
     assert body["model"] == MODEL
     assert body["choices"] == [{"index": 0, "text": "t0 t1 t2 ", "logprobs": None, "finish_reason": "length"}]
     assert body["usage"] == {"prompt_tokens": 11, "completion_tokens": 3, "total_tokens": 14,
-                             "prompt_tokens_details": {"cached_tokens": BLOCK_SIZE}}
+                             "prompt_tokens_details": {"cached_tokens": cached_tokens(0)}}
 
 
 def test_engine_gets_token_ids_block_hashes_and_sampling_params():
@@ -129,7 +129,7 @@ def test_chat_applies_the_template_and_defaults_to_the_rest_of_the_context():
     assert engine.requests[0].params.max_tokens == MAX_MODEL_LEN - num_prompt_tokens
     assert completion.choices[0].message.role == "assistant"
     assert completion.choices[0].message.content == "".join(f"t{i} " for i in range(MAX_MODEL_LEN - num_prompt_tokens))
-    assert completion.usage.prompt_tokens_details.cached_tokens == BLOCK_SIZE
+    assert completion.usage.prompt_tokens_details.cached_tokens == cached_tokens(0)
 
 
 def test_completion_stream_through_the_openai_client():
@@ -143,7 +143,7 @@ def test_completion_stream_through_the_openai_client():
     assert [chunk.choices[0].finish_reason for chunk in chunks[:-1]] == [None, None, "length"]
     assert chunks[-1].choices == []
     assert chunks[-1].usage.completion_tokens == 3
-    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == BLOCK_SIZE
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached_tokens(0)
 
 
 def test_chat_stream_is_server_sent_events_ending_with_done():

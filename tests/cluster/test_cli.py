@@ -1,8 +1,20 @@
 """`prefixserve serve` arguments -> ClusterConfig, and its --help (no cluster started)."""
+import argparse
+import re
+
 import pytest
 
 from cluster.cli import build_parser, config_from_args, main
 from cluster.config import ClusterConfig
+
+SERVE_OPTIONS = {
+    "-h", "--help", "--address", "--host", "--port", "--replicas", "--autoscale", "--replica-cpus", "--replica-gpus",
+    "--routing-policy", "--max-waiting-requests", "--max-queued-requests", "--max-request-body-bytes",
+    "--max-migrations", "--api-key", "--model", "--served-model-name", "--dtype", "--device", "--num-kv-blocks",
+    "--kv-cache-gib", "--block-size", "--no-prefix-caching", "--max-num-seqs", "--max-num-batched-tokens",
+    "--max-model-len", "--long-prefill-token-threshold", "--async-scheduling", "--no-async-scheduling",
+    "--queue-policy", "--policy", "--num-speculative-tokens", "--ngram-min", "--ngram-max",
+}
 
 
 def parse(*argv: str) -> ClusterConfig:
@@ -65,11 +77,21 @@ def test_bad_flags_exit_with_a_message(capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
+def serve_parser() -> argparse.ArgumentParser:
+    [commands] = [action for action in build_parser()._actions if isinstance(action, argparse._SubParsersAction)]
+    return commands.choices["serve"]
+
+
+def listed_options(help_text: str) -> set[str]:
+    """The option strings --help lists: an option's entry opens with them, on a line indented by two spaces."""
+    invocations = [re.split(r"\s{2,}", line.strip())[0] for line in help_text.splitlines() if line.startswith("  -")]
+    return {option.split()[0] for invocation in invocations for option in invocation.split(", ")}
+
+
 def test_help_documents_every_option(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--help"])
-    help_text = capsys.readouterr().out
-    for option in ("--replicas", "--host", "--port", "--model", "--num-kv-blocks", "--kv-cache-gib", "--block-size",
-                   "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len", "--policy", "--routing-policy",
-                   "--api-key", "--address", "--num-speculative-tokens", "--ngram-min", "--ngram-max"):
-        assert option in help_text
+    actions = serve_parser()._actions
+    assert listed_options(capsys.readouterr().out) == SERVE_OPTIONS
+    assert {option for action in actions for option in action.option_strings} == SERVE_OPTIONS
+    assert all(action.help for action in actions)

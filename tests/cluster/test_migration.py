@@ -9,7 +9,7 @@ import pytest
 from cluster.protocol import REPLICA_HEADER
 from replica.kv_cache import hash_token_blocks
 
-from .fakes import BLOCK_SIZE, HASH_SEED, FakeEngineClient, FakeTokenizer
+from .fakes import BLOCK_SIZE, HASH_SEED, FakeEngineClient, FakeTokenizer, cached_tokens
 from .test_api import MODEL, make_app, request
 
 PROMPT = "hello world"  # 11 tokens: 2 full blocks
@@ -38,8 +38,9 @@ def test_a_stream_whose_replica_is_lost_goes_on_elsewhere_as_if_undisturbed():
     migrated, metrics = post(engine := FakeEngineClient(lost_after=[2]), **body)
     assert events(migrated) == events(undisturbed)
     assert [chunk["choices"][0]["text"] for chunk in events(migrated)[:5]] == [f"t{i} " for i in range(5)]
+    # the prompt's hit is the first replica's: the second one's covers the first's output tokens too
     assert events(migrated)[5]["usage"] == {"prompt_tokens": 11, "completion_tokens": 5, "total_tokens": 16,
-                                            "prompt_tokens_details": {"cached_tokens": BLOCK_SIZE}}
+                                            "prompt_tokens_details": {"cached_tokens": cached_tokens(0)}}
     assert migrated.headers[REPLICA_HEADER] == "replica-a"  # sent before the move
     first, second = engine.requests
     prompt = FakeTokenizer().encode(PROMPT)
@@ -67,6 +68,7 @@ def test_a_response_whose_replicas_are_lost_twice_is_the_undisturbed_json_from_t
     undisturbed, _ = post(FakeEngineClient())
     migrated, metrics = post(engine := FakeEngineClient(lost_after=[1, 3]))
     assert without_id(migrated.json()) == without_id(undisturbed.json())
+    assert migrated.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": cached_tokens(0)}
     assert migrated.json()["choices"][0]["logprobs"]["tokens"] == [f"t{i} " for i in range(5)]
     assert migrated.headers[REPLICA_HEADER] == "replica-a/2"
     assert [sent.output_token_ids for sent in engine.requests] == [[], [100], [100, 101, 102, 103]]
@@ -79,6 +81,8 @@ def test_a_response_whose_replicas_are_lost_twice_is_the_undisturbed_json_from_t
 def test_a_replica_lost_before_its_first_output_means_a_plain_resubmission():
     migrated, _ = post(engine := FakeEngineClient(lost_after=[None]))
     assert migrated.json()["choices"][0]["text"] == "t0 t1 t2 t3 t4 "
+    # the prompt's hit is the second replica's, the first one's lost before any output
+    assert migrated.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": cached_tokens(1)}
     first, second = engine.requests
     assert second == first
 

@@ -8,6 +8,7 @@ from kernels.cpu import library
 from replica.engine import resolve_backend
 
 CPU = torch.device("cpu")
+needs_cpu_kernels = pytest.mark.skipif(not library.available(), reason="no C++ compiler to build the CPU kernels")
 
 
 def test_explicit_backends_are_kept():
@@ -15,23 +16,27 @@ def test_explicit_backends_are_kept():
         assert resolve_backend(backend, CPU, head_dim=64) == backend
 
 
-def test_auto_picks_triton_on_cuda_and_the_cpu_kernels_on_cpu():
+def test_auto_picks_triton_on_cuda():
     assert resolve_backend("auto", torch.device("cuda"), head_dim=64) == "triton"
-    if library.available():
-        assert resolve_backend("auto", CPU, head_dim=64) == "cpu"
 
 
-def test_auto_falls_back_to_torch_when_the_cpu_kernels_cannot_serve(monkeypatch, caplog):
-    if library.available():
-        with caplog.at_level(logging.WARNING):
-            assert resolve_backend("auto", CPU, head_dim=48) == "torch"
-        assert "head_dim in" in caplog.text
+@needs_cpu_kernels
+def test_auto_picks_the_cpu_kernels_on_cpu():
+    assert resolve_backend("auto", CPU, head_dim=64) == "cpu"
 
+
+@needs_cpu_kernels
+def test_auto_falls_back_to_torch_for_a_head_dim_the_cpu_kernels_lack(caplog):
+    with caplog.at_level(logging.WARNING):
+        assert resolve_backend("auto", CPU, head_dim=48) == "torch"
+    assert "head_dim in" in caplog.text
+
+
+def test_auto_falls_back_to_torch_without_a_compiler(monkeypatch, caplog):
     def no_compiler():
         raise library.BuildError("no C++ compiler found")
 
     monkeypatch.setattr(library, "load", no_compiler)
-    caplog.clear()
     with caplog.at_level(logging.WARNING):
         assert resolve_backend("auto", CPU, head_dim=64) == "torch"
     assert "no C++ compiler found" in caplog.text

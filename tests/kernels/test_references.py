@@ -76,8 +76,18 @@ def test_rms_norm_ref_with_residual_returns_norm_of_sum_and_the_sum():
     residual = torch.tensor([[2.0, 2.0]])
     out, new_residual = rms_norm_ref(x, torch.ones(2), 0.0, residual)
     assert new_residual.tolist() == [[3.0, 4.0]]
-    torch.testing.assert_close(out, rms_norm_ref(new_residual, torch.ones(2), 0.0))
+    rms = 12.5 ** 0.5
+    torch.testing.assert_close(out, torch.tensor([[3 / rms, 4 / rms]]))
     assert residual.tolist() == [[2.0, 2.0]]
+
+
+def test_rms_norm_ref_rounds_like_hf_llama_in_bf16():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    x = torch.randn(6, 64, dtype=torch.bfloat16)
+    hf_norm = LlamaRMSNorm(64, eps=1e-5).to(torch.bfloat16)
+    with torch.no_grad():
+        hf_norm.weight.copy_(torch.randn(64))
+        assert torch.equal(rms_norm_ref(x, hf_norm.weight, 1e-5), hf_norm(x))
 
 
 def test_rotary_cos_sin_layout():
