@@ -22,7 +22,7 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
 def make_llm(**engine_args) -> LLM:
-    return LLM(dtype="float32", **{"num_kv_blocks": 128, **engine_args})
+    return LLM(**{"dtype": "float32", "num_kv_blocks": 128, **engine_args})
 
 
 @pytest.fixture(scope="module")
@@ -183,6 +183,20 @@ def test_a_request_resumed_with_its_output_continues_as_if_undisturbed(llm, para
         if params.logprobs:
             assert [output.logprobs[0] for output in rest] == pytest.approx(
                 [output.logprobs[0] for output in whole[split:]], abs=1e-4)
+
+
+def test_a_request_resumed_in_bf16_runs_to_its_end():
+    """bf16 need not recompute prompt + output as decoding made them, so the tokens after a move may
+    differ from an undisturbed run's; the count, the logprobs and the finish reason may not."""
+    llm = make_llm(dtype="bfloat16")
+    prompt = llm.tokenizer.encode(PROMPTS[0])
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=True)
+    head = [output.new_token_ids[0] for output in run(llm.engine, "whole", prompt, params)[:3]]
+    rest = run(llm.engine, "resumed", prompt, params, output_token_ids=head,
+               block_hashes=hash_token_blocks(prompt + head, 16))
+    assert [(len(output.new_token_ids), len(output.logprobs)) for output in rest] == [(1, 1)] * 5
+    assert [output.finish_reason for output in rest] == [None] * 4 + ["length"]
+    assert all(output.num_prompt_tokens == len(prompt) for output in rest)
 
 
 @pytest.mark.parametrize("prompt, error", [

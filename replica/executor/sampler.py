@@ -63,8 +63,22 @@ def with_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, metadata: Sampl
     if not metadata.needs_logprobs:
         return Sampled(token_ids, None, None)
     all_logprobs = logits.log_softmax(dim=-1)
-    top = tuple(all_logprobs.topk(metadata.max_top_logprobs, dim=-1)) if metadata.max_top_logprobs else None
+    top = None
+    if metadata.max_top_logprobs:
+        top_ids = top_tokens(logits, metadata.max_top_logprobs)
+        top = (all_logprobs.gather(1, top_ids), top_ids)
     return Sampled(token_ids, all_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1), top)
+
+
+def top_tokens(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """[R, k]: the k highest-logit tokens, highest first, the lowest id first among equal logits: the rule
+    of argmax (the greedy token), so a greedy token heads its top logprobs, ties included (topk's order
+    among equals is unspecified)."""
+    kth = logits.topk(k, dim=-1).values[:, -1:]
+    width = int((logits >= kth).sum(dim=-1).max())  # takes in every token tied with a row's k-th
+    ids = logits.topk(width, dim=-1).indices.sort(dim=-1).values
+    order = logits.gather(1, ids).sort(dim=-1, descending=True, stable=True).indices[:, :k]
+    return ids.gather(1, order)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None,

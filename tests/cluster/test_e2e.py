@@ -29,7 +29,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_MODEL_LEN = 512
-ENGINE = {"num_kv_blocks": 160, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 16}
+# fp32: bf16 need not recompute a migrated request's tokens as decoding made them (README, Migration)
+ENGINE = {"dtype": "float32", "num_kv_blocks": 160, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 16}
 STARTUP_TIMEOUT_S = 240
 # Two long system prompts: each group's requests share one of them, then differ in the question.
 PREFIXES = {
@@ -221,8 +222,8 @@ def test_killing_the_replica_serving_a_stream_moves_the_request_unnoticed(base_u
 def test_round_robin_spreads_each_group(base_url, tmp_path):
     # Redeploy through the CLI, joining this cluster, then stop it as Ctrl-C would.
     port = base_url.rsplit(":", 1)[1]
-    engine_flags = ["--num-kv-blocks", str(ENGINE["num_kv_blocks"]), "--max-model-len", str(MAX_MODEL_LEN),
-                    "--max-num-seqs", str(ENGINE["max_num_seqs"])]
+    engine_flags = ["--dtype", ENGINE["dtype"], "--num-kv-blocks", str(ENGINE["num_kv_blocks"]),
+                    "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(ENGINE["max_num_seqs"])]
     log = tmp_path / "cli.log"
     with log.open("w") as out:
         cli = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--routing-policy", "round_robin",

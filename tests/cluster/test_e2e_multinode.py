@@ -3,9 +3,10 @@
 The head holds Serve's controller and proxy (no CPUs, so no engine replica); two worker nodes of 2
 CPUs hold the 2 engine replicas (1 CPU each, spread by Serve). The ingress (and with it the router
 actor) may land on any node. While greedy streams run on both replicas, the node under one of them,
-not the ingress's, is removed: its streams migrate and end exactly as an undisturbed run does, Serve
-starts a replacement on the surviving node, and the router forgets the dead replica. (Losing the
-ingress's node drops its client connections: a load balancer's retry, not migration, covers that.)
+not the ingress's, is removed: its streams migrate and end exactly as an undisturbed run does (fp32, as
+the README's Migration says), Serve starts a replacement on the surviving node, and the router forgets
+the dead replica. (Losing the ingress's node drops its client connections: a load balancer's retry, not
+migration, covers that.)
 """
 import asyncio
 import json
@@ -27,7 +28,8 @@ from .test_e2e import MODEL, metric_values
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-CONFIG = ClusterConfig(engine={"num_kv_blocks": 96, "max_model_len": 256, "max_num_seqs": 8}, num_replicas=2)
+CONFIG = ClusterConfig(engine={"dtype": "float32", "num_kv_blocks": 96, "max_model_len": 256, "max_num_seqs": 8},
+                       num_replicas=2)
 PROMPTS = [f"Story {i}: once upon a time, in a town by the sea," for i in range(6)]
 MAX_TOKENS = 64
 RECOVERY_TIMEOUT_S = 120

@@ -88,3 +88,14 @@ def test_top_logprobs_need_logprobs_and_stop_at_twenty():
     for bad in [{"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 21}, {"logprobs": True, "top_logprobs": -1}]:
         with pytest.raises(ValueError, match="top_logprobs must be in"):
             SamplingParams(**bad)
+
+
+def test_greedy_token_heads_the_top_logprobs_and_ties_go_to_the_lowest_id():
+    logits = torch.full((2, 1000), -5.0)
+    logits[0, [0, 612]] = 1.0
+    logits[1, [3, 7, 9]] = 2.0
+    logits[1, 5] = 1.0
+    params = [SamplingParams(temperature=0, logprobs=True, top_logprobs=3)] * 2
+    sampled = sample(logits, SamplingMetadata.from_params(params, {}, 1000, torch.device("cpu")))
+    assert sampled.token_ids.tolist() == [0, 3]
+    assert sampled.top_logprobs[1].tolist() == [[0, 612, 1], [3, 7, 9]]
