@@ -107,11 +107,6 @@ def config_from_args(args: argparse.Namespace):
 
 
 def serve_until_interrupted(config, *, address: str | None, host: str, port: int) -> None:
-    from cluster.local_ray import is_listened_on
-
-    if is_listened_on(host, port):
-        sys.exit(f"prefixserve: {host}:{port} is already in use (another server listens there): "
-                 "stop it or choose another --port")
     if address is None:
         _serve_on_a_local_cluster(config, host, port)
     else:
@@ -122,8 +117,11 @@ def _serve_on_a_local_cluster(config, host: str, port: int) -> None:
     import ray
     from ray import serve
 
-    from cluster.local_ray import init_local_ray
+    from cluster.local_ray import init_local_ray, is_listened_on
 
+    if is_listened_on(host, port):
+        sys.exit(f"prefixserve: {host}:{port} is already in use (another server listens there): "
+                 "stop it or choose another --port")
     init_local_ray(_local_num_cpus(config))
     try:
         serve.start(http_options={"host": host, "port": port})
@@ -134,7 +132,8 @@ def _serve_on_a_local_cluster(config, host: str, port: int) -> None:
 
 
 def _serve_on_a_joined_cluster(config, address: str, host: str, port: int) -> None:
-    """Deploy our app beside the cluster's others; on the way out, remove only ours."""
+    """Deploy our app beside the cluster's others, on its Serve instance (whose proxy may already listen on
+    host:port); on the way out, remove only ours."""
     import ray
     from ray import serve
 

@@ -1,7 +1,7 @@
 """The real app on a real Ray cluster: 2 engine replicas of the default model, driven by the openai client.
 
 One Ray cluster for the module. The app is first deployed with prefix routing from this process;
-the last but one test kills a replica mid-request; the last redeploys the app with round_robin through
+the last but one test kills a replica mid-request; the last replaces the app with a round_robin one through
 `prefixserve serve --address ...` (joining this cluster) and stops that with SIGINT, as Ctrl-C would.
 """
 import contextlib
@@ -220,15 +220,23 @@ def test_killing_the_replica_serving_a_stream_moves_the_request_unnoticed(base_u
 
 
 def test_round_robin_spreads_each_group(base_url, tmp_path):
-    # Redeploy through the CLI, joining this cluster, then stop it as Ctrl-C would.
+    # Deploy through the CLI, joining this cluster, then stop it as Ctrl-C would. It refuses to replace the app
+    # this process deployed, which keeps serving; once that app is gone, it deploys its own.
     port = base_url.rsplit(":", 1)[1]
     engine_flags = ["--dtype", ENGINE["dtype"], "--num-kv-blocks", str(ENGINE["num_kv_blocks"]),
                     "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(ENGINE["max_num_seqs"])]
+    command = [sys.executable, "-m", "cluster.cli", "serve", "--routing-policy", "round_robin",
+               "--address", ray.get_runtime_context().gcs_address, "--port", port, *engine_flags]
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=STARTUP_TIMEOUT_S)
+    assert refused.returncode == 1
+    assert refused.stderr.strip().splitlines()[-1] == (
+        f"prefixserve: an app named {APP_NAME!r} already runs on this cluster: "
+        "stop that instance first, or start a cluster of its own (no --address)")
+    assert httpx.get(f"{base_url}/health").status_code == 200
+    serve.delete(APP_NAME)
     log = tmp_path / "cli.log"
     with log.open("w") as out:
-        cli = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--routing-policy", "round_robin",
-                                "--address", ray.get_runtime_context().gcs_address, "--port", port, *engine_flags],
-                               stdout=out, stderr=subprocess.STDOUT, text=True)
+        cli = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, text=True)
     try:
         wait_for_line(cli, log, "prefixserve: serving on")
         with openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120) as client:
