@@ -3,20 +3,16 @@ import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
 
-import pydantic
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from cluster.protocol import SESSION_HEADER, APIError, ChatCompletionRequest, CompletionRequest, describe
+from cluster.protocol import SESSION_HEADER, APIError
 from cluster.serving import OpenAIServing, internal_error
 
 logger = logging.getLogger("ray.serve.prefixserve.api")
-
-Body = TypeVar("Body", CompletionRequest, ChatCompletionRequest)
 
 
 def build_api(serving: OpenAIServing, *, render_metrics: Callable[[], Awaitable[bytes]],
@@ -37,14 +33,14 @@ def build_api(serving: OpenAIServing, *, render_metrics: Callable[[], Awaitable[
     @app.post("/v1/completions", dependencies=v1)
     async def completions(request: Request) -> Response:
         arrival_time = time.monotonic()
-        return await serving.create_completion(await _parse(request, CompletionRequest, max_body_bytes),
-                                               arrival_time)
+        return await serving.create_completion(await _read_body(request, max_body_bytes), arrival_time,
+                                               request.headers.get(SESSION_HEADER))
 
     @app.post("/v1/chat/completions", dependencies=v1)
     async def chat_completions(request: Request) -> Response:
         arrival_time = time.monotonic()
-        return await serving.create_chat_completion(await _parse(request, ChatCompletionRequest, max_body_bytes),
-                                                    arrival_time)
+        return await serving.create_chat_completion(await _read_body(request, max_body_bytes), arrival_time,
+                                                    request.headers.get(SESSION_HEADER))
 
     @app.get("/v1/models", dependencies=v1)
     async def models() -> JSONResponse:
@@ -60,16 +56,6 @@ def build_api(serving: OpenAIServing, *, render_metrics: Callable[[], Awaitable[
 
     _add_error_handlers(app)
     return app
-
-
-async def _parse(request: Request, model: type[Body], max_body_bytes: int | None) -> Body:
-    try:
-        body = model.model_validate_json(await _read_body(request, max_body_bytes))
-    except pydantic.ValidationError as exc:
-        raise APIError(describe(exc)) from None
-    if body.session_id is None:
-        body.session_id = request.headers.get(SESSION_HEADER)
-    return body
 
 
 async def _read_body(request: Request, limit: int | None) -> bytes:

@@ -34,7 +34,10 @@ class ClusterConfig(pydantic.BaseModel):
 
     @property
     def routing_config(self) -> PolicyConfig:
-        return PolicyConfig(policy=self.routing)
+        """The router's policy; what it assumes of the engines is read from their config, never restated."""
+        return PolicyConfig(policy=self.routing,
+                            step_token_budget=self.engine.scheduler.max_num_batched_tokens,
+                            assume_routed_prefix_cached=self.engine.cache.enable_prefix_caching)
 
     def resolved_api_key(self) -> str | None:
         return self.api_key or os.environ.get(API_KEY_ENV) or None

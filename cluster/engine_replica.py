@@ -22,7 +22,7 @@ class EngineReplica:
         self._publisher = RouterPublisher(
             self.replica_id,
             RouterClient(context.app_name, config.routing_config, core.config.cache.block_size, create=False))
-        self._engine = AsyncEngine(core, after_step=functools.partial(self._publisher.publish, core))
+        self._engine = AsyncEngine(core, after_step=functools.partial(self._publisher.record, core))
 
     def model_info(self) -> ModelInfo:
         core = self._engine.core
@@ -54,4 +54,5 @@ class EngineReplica:
     async def __del__(self) -> None:
         if self._engine is not None:
             await self._engine.shutdown()
+            await self._publisher.close()
 

@@ -1,75 +1,115 @@
 """RouterPublisher: an engine replica's side of the router protocol.
 
-After every engine step the replica sends the router actor its KV events as batch seq = 1, 2,
-3..., with its stats and the requests that finished. Sending never waits: the actor's reply is
-looked at when it arrives. A reply saying the router lost track (a gap, a router that restarted)
-or a batch that never arrived makes the next publish a resync: the replica's full list of cached
-block hashes instead of events.
+Between two engine steps the engine loop records what the step changed (its KV events, its
+stats) and the publisher adds the requests that finished; it never waits for the router. One
+sender task sends that to the router actor as batch seq = 1, 2, 3..., one batch in flight at a
+time: whatever accumulated while a batch was in flight goes as the next one, so a slow router
+gets fewer, larger batches. A reply saying the router lost track (a gap, a router that
+restarted), a batch that failed, or a router that cannot be found makes the next batch a
+resync: the replica's full list of cached block hashes, read at the next step boundary, instead
+of events. An unreachable router is looked up again no sooner than retry_interval_s later.
 """
 import asyncio
-import functools
 import logging
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
+from replica.kv_cache import BlockHash, KVEvent
+from replica.scheduler import SchedulerStats
 from router.actor import RouterClient
 from router.messages import FinishedRequest
 
 if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
     from replica.engine import EngineCore
 
 logger = logging.getLogger("ray.serve.prefixserve.publisher")
 
 
 class RouterPublisher:
-    def __init__(self, replica_id: str, router: RouterClient):
+    def __init__(self, replica_id: str, router: RouterClient, *, retry_interval_s: float = 1.0,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep):
+        """Call on the event loop the engine runs on: it starts the sender task there."""
         self.replica_id = replica_id
         self._router = router
+        self._retry_interval_s = retry_interval_s
+        self._sleep = sleep
         self._seq = 0
-        self._needs_resync = False
-        self._resync_seq = 0  # replies to batches sent before this resync are stale
+        self._events: list[KVEvent] = []
+        self._stats: SchedulerStats | None = None
         self._finished: list[FinishedRequest] = []
+        self._resync_wanted = False  # the next record() reads the cached block hashes
+        self._resync_hashes: list[BlockHash] | None = None  # read: the next batch is a resync
+        self._recorded = asyncio.Event()  # something to send since the sender last took a batch
         self._router_unreachable = False  # warned once, until it is reached again
+        self._sender = asyncio.get_running_loop().create_task(self._send_forever())
 
     def request_finished(self, request_id: str, num_cached_tokens: int | None) -> None:
         """A request ended here (finished or aborted; num_cached_tokens None if it never got scheduled)."""
         self._finished.append(FinishedRequest(request_id, num_cached_tokens))
 
-    async def publish(self, core: "EngineCore") -> None:
-        """Call between two engine steps: it reads the core's events, stats and cached hashes."""
+    def record(self, core: "EngineCore") -> None:
+        """Call between two engine steps: takes the step's events and the core's stats for the sender."""
         events = core.take_kv_events()
-        stats = core.stats()
-        finished, self._finished = self._finished, []
+        if self._resync_wanted:
+            self._resync_wanted = False
+            self._resync_hashes = core.cached_block_hashes()
+            self._events = []  # the hashes cover them
+        else:
+            self._events += events
+        self._stats = core.stats()
+        self._recorded.set()
+
+    async def close(self) -> None:
+        self._sender.cancel()
+        await asyncio.gather(self._sender, return_exceptions=True)
+
+    async def _send_forever(self) -> None:
+        while True:
+            await self._recorded.wait()
+            self._recorded.clear()
+            router = await self._find_router()
+            if router is None:
+                await self._sleep(self._retry_interval_s)
+            else:
+                await self._send(router)
+
+    async def _find_router(self) -> "ActorHandle | None":
         try:
             router = await self._router.get()
         except Exception as exc:
             if not self._router_unreachable:
-                logger.warning("replica %s cannot reach the router actor: %r; looking it up again after every "
-                               "step", self.replica_id, exc)
+                logger.warning("replica %s cannot reach the router actor: %r; looking it up again every %ss",
+                               self.replica_id, exc, self._retry_interval_s)
             self._router_unreachable = True
-            self._needs_resync = True  # this step's events are lost
-            return
+            self._want_resync()  # bounds what accumulates while it is gone, and a new one knows nothing
+            return None
         if self._router_unreachable:
             logger.warning("replica %s reached the router actor again", self.replica_id)
             self._router_unreachable = False
+        return router
+
+    async def _send(self, router: "ActorHandle") -> None:
+        finished, self._finished = self._finished, []
         self._seq += 1
-        if self._needs_resync:
-            self._needs_resync = False
-            self._resync_seq = self._seq
-            self._send(router.resync, core.cached_block_hashes(), stats, finished)
+        if self._resync_hashes is not None:
+            method, payload, self._resync_hashes = router.resync, self._resync_hashes, None
         else:
-            self._send(router.publish, events, stats, finished)
-
-    def _send(self, method, payload: list, stats, finished: list[FinishedRequest]) -> None:
-        ref = method.remote(self.replica_id, self._seq, payload, stats, finished)
-        reply = asyncio.wrap_future(ref.future())
-        reply.add_done_callback(functools.partial(self._on_reply, self._seq))
-
-    def _on_reply(self, seq: int, reply: asyncio.Future) -> None:
-        if reply.cancelled() or seq < self._resync_seq:
-            return
-        if reply.exception() is not None:
-            logger.warning("replica %s lost batch %d: %r", self.replica_id, seq, reply.exception())
+            method, payload, self._events = router.publish, self._events, []
+        ref = method.remote(self.replica_id, self._seq, payload, self._stats, finished)
+        try:
+            accepted = await asyncio.wrap_future(ref.future())
+        except Exception as exc:
+            logger.warning("replica %s lost batch %d: %r", self.replica_id, self._seq, exc)
             self._router.reset()
-            self._needs_resync = True
-        elif reply.result() is False:
-            self._needs_resync = True
+            self._finished[:0] = finished  # the router forgets a finish it cannot match: resending is safe
+            self._want_resync()
+            return
+        if accepted is False:
+            self._want_resync()
+
+    def _want_resync(self) -> None:
+        # What was recorded before the hashes are read goes nowhere: wait for the record() that reads them.
+        self._resync_wanted = True
+        self._recorded.clear()

@@ -1,18 +1,20 @@
 """OpenAIServing: OpenAI completion and chat requests in, engine requests out, engine outputs back.
 
-It tokenizes each prompt once (chat template applied), checks it against the model's limits,
-hashes its full blocks exactly as the replicas do (so the router can match them against their
-caches) and hands token ids and hashes to an engine client, which moves the request to another
-replica if its own is lost (migration.py). Ray-free: the Serve ingress plugs in a client that calls
-the engine deployment; tests plug in a fake.
+It parses each request body, tokenizes its prompt once (chat template applied), checks it against
+the model's limits and hashes its full blocks exactly as the replicas do (so the router can match
+them against their caches), all in worker threads, off the event loop that streams every response;
+then it hands token ids and hashes to an engine client, which moves the request to another replica
+if its own is lost (migration.py). Ray-free: the Serve ingress plugs in a client that calls the
+engine deployment; tests plug in a fake.
 """
+import asyncio
 import logging
 import math
-import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import pydantic
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -30,6 +32,9 @@ from replica.request import SamplingParams
 logger = logging.getLogger("ray.serve.prefixserve.serving")
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+# Threads that prepare requests (parse, template, tokenize, hash) off the event loop: more than one, so that
+# a long prompt does not hold up the short ones behind it.
+PREPARE_THREADS = 4
 
 
 class Tokenizer(Protocol):
@@ -76,6 +81,27 @@ class _Progress:
         return usage(self.num_prompt_tokens, self.num_tokens, self.num_cached_tokens)
 
 
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    """A request parsed, tokenized and hashed: ready for the engine."""
+    body: CompletionRequest | ChatCompletionRequest
+    request: EngineRequest
+    response_format: ResponseFormat
+
+
+Body = TypeVar("Body", CompletionRequest, ChatCompletionRequest)
+
+
+def _parse(raw_body: bytes, model: type[Body], session_id: str | None) -> Body:
+    try:
+        body = model.model_validate_json(raw_body)
+    except pydantic.ValidationError as exc:
+        raise APIError(describe(exc)) from None
+    if body.session_id is None:
+        body.session_id = session_id
+    return body
+
+
 class OpenAIServing:
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, model: ModelInfo, metrics: ServingMetrics, *,
                  max_migrations: int = 0):
@@ -84,47 +110,70 @@ class OpenAIServing:
         self.tokenizer = tokenizer
         self.model = model
         self.metrics = metrics
+        self._executor = ThreadPoolExecutor(max_workers=PREPARE_THREADS, thread_name_prefix="ingress-prepare")
 
     def list_models(self) -> dict[str, Any]:
         card = {"id": self.model.name, "object": "model", "created": 0, "owned_by": "prefixserve",
                 "max_model_len": self.model.max_model_len}
         return {"object": "list", "data": [card]}
 
-    async def create_completion(self, body: CompletionRequest, arrival_time: float) -> Response:
+    async def create_completion(self, raw_body: bytes, arrival_time: float, session_id: str | None = None
+                                ) -> Response:
+        """raw_body: the request's JSON; session_id: its X-Session-Id header, if the body names none."""
+        return await self._generate(await self._off_loop(self._prepare_completion, raw_body, session_id),
+                                    arrival_time)
+
+    async def create_chat_completion(self, raw_body: bytes, arrival_time: float, session_id: str | None = None
+                                     ) -> Response:
+        """As create_completion."""
+        return await self._generate(await self._off_loop(self._prepare_chat_completion, raw_body, session_id),
+                                    arrival_time)
+
+    async def _off_loop(self, prepare: Callable[[bytes, str | None], _Prepared], raw_body: bytes,
+                        session_id: str | None) -> _Prepared:
+        # Parsing, templating, tokenizing and hashing a prompt of 100k tokens takes long enough to delay
+        # every other request's tokens if it ran on the event loop that streams them.
+        return await asyncio.get_running_loop().run_in_executor(self._executor, prepare, raw_body, session_id)
+
+    def _prepare_completion(self, raw_body: bytes, session_id: str | None) -> _Prepared:
+        body = _parse(raw_body, CompletionRequest, session_id)
         self._check_model(body.model)
         if isinstance(body.prompt, str):
             prompt_token_ids = self.tokenizer.encode(body.prompt)
         else:
             prompt_token_ids = self._check_token_ids(body.prompt)
         response_format = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", self.model.name)
-        return await self._generate(body, prompt_token_ids, response_format, arrival_time,
-                                    default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS)
+        return self._prepare(body, prompt_token_ids, response_format, default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS)
 
-    async def create_chat_completion(self, body: ChatCompletionRequest, arrival_time: float) -> Response:
+    def _prepare_chat_completion(self, raw_body: bytes, session_id: str | None) -> _Prepared:
+        body = _parse(raw_body, ChatCompletionRequest, session_id)
         self._check_model(body.model)
         try:
             prompt_token_ids = self.tokenizer.apply_chat_template([m.as_template_input() for m in body.messages])
         except ValueError as exc:  # the template refused the conversation
             raise APIError(str(exc), param="messages") from None
         response_format = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", self.model.name)
-        return await self._generate(body, prompt_token_ids, response_format, arrival_time)
+        return self._prepare(body, prompt_token_ids, response_format)
 
-    async def _generate(self, body: CompletionRequest | ChatCompletionRequest, prompt_token_ids: list[int],
-                        response_format: ResponseFormat, arrival_time: float, *,
-                        default_max_tokens: int | None = None) -> Response:
+    def _prepare(self, body: CompletionRequest | ChatCompletionRequest, prompt_token_ids: list[int],
+                 response_format: ResponseFormat, *, default_max_tokens: int | None = None) -> _Prepared:
         params = self._sampling_params(body, len(prompt_token_ids), default_max_tokens)
         request = EngineRequest(
             request_id=response_format.response_id, prompt_token_ids=prompt_token_ids,
             block_hashes=hash_token_blocks(prompt_token_ids, self.model.block_size, cache_salt=body.cache_salt,
                                            seed=self.model.hash_seed),
             params=params, cache_salt=body.cache_salt, session_id=body.session_id, last_turn=body.last_turn)
-        outputs = self.engine.generate(request)
+        return _Prepared(body, request, response_format)
+
+    async def _generate(self, prepared: _Prepared, arrival_time: float) -> Response:
+        body, response_format = prepared.body, prepared.response_format
+        outputs = self.engine.generate(prepared.request)
         try:
             replica_id = (await anext(outputs)).replica_id
         except (EnginesBusy, ReplicaLost) as exc:
             raise engine_error(exc) from None
         progress = _Progress(RequestTracker(self.metrics, replica_id, arrival_time), self._token_text,
-                             [] if params.logprobs else None)
+                             [] if prepared.request.params.logprobs else None)
         if body.stream:
             return StreamingResponse(self._stream(outputs, response_format, progress, body.include_usage),
                                      media_type="text/event-stream", headers={REPLICA_HEADER: replica_id})

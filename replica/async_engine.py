@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -104,9 +104,10 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, core: Core, *, after_step: Callable[[], Awaitable[None]] | None = None,
+    def __init__(self, core: Core, *, after_step: Callable[[], None] | None = None,
                  idle_interval_s: float = 1.0):
-        """after_step runs on the event loop after every step, and every idle_interval_s when idle."""
+        """after_step runs on the event loop after every step, and every idle_interval_s when idle; the
+        next step waits for it, so it hands anything slow (publishing) to a task of its own."""
         self.core = core
         self._after_step = after_step
         self._idle_interval_s = idle_interval_s
@@ -168,7 +169,7 @@ class AsyncEngine:
                     await self._wait_for_work()
                     self.core.expire_pins()
                 if self._after_step is not None:
-                    await self._run_after_step()
+                    self._run_after_step()
         except asyncio.CancelledError:
             self._fail_all(EngineDeadError("the engine is shutting down"))
             raise
@@ -176,9 +177,9 @@ class AsyncEngine:
             logger.exception("engine loop failed")
             self._fail_all(exc)
 
-    async def _run_after_step(self) -> None:
+    def _run_after_step(self) -> None:
         try:
-            await self._after_step()
+            self._after_step()
         except Exception:  # publishing is best effort; it must never stop the engine
             logger.exception("after_step hook failed")
 

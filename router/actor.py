@@ -1,9 +1,9 @@
 """RouterActor: the one Ray actor per Serve app; a shell around the app's Router.
 
-Engine replicas publish to it after every step (numbered KV event batches, stats, the requests
-that finished); the request router in the ingress asks it where each request goes. Its methods
-are synchronous and short, so Ray runs them one at a time in the order each caller sent them:
-a replica's batches arrive in sequence.
+Engine replicas publish to it as they step (numbered KV event batches, stats, the requests that
+finished; cluster/publisher.py); the request router in the ingress asks it where each request goes.
+Its methods are synchronous and short, so Ray runs them one at a time in the order each caller sent
+them: a replica's batches arrive in sequence.
 
 The actor is named after the Serve app and its routing config, and created by the ingress's process
 (its request router or its /metrics, whichever asks first: get_if_exists). It dies with that

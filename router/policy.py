@@ -29,7 +29,8 @@ class PolicyConfig(pydantic.BaseModel):
     replica busy with one long prefill copied its system prompts onto idle replicas, and at 8
     replicas the cluster cached 75% of prompt tokens against 87% for a router that never spreads."""
     step_token_budget: int = pydantic.Field(8192, ge=1)
-    """The engines' max_num_batched_tokens: queued prefill beyond it takes more steps."""
+    """The engines' max_num_batched_tokens (ClusterConfig sets it from theirs): queued prefill beyond it
+    takes more steps."""
     step_overhead_tokens: float = pydantic.Field(64.0, ge=0)
     """A step's fixed cost (launch, sampling, scheduling) in tokens of prefill it would take as long to compute."""
     request_cost_tokens: float = pydantic.Field(64.0, ge=0)
@@ -53,7 +54,7 @@ class PolicyConfig(pydantic.BaseModel):
     assume_routed_prefix_cached: bool = True
     """Count a request's blocks as cached on its replica from the moment it is routed there, so a
     burst sharing a prefix follows the first request before the replica reports the blocks stored.
-    Turn off for replicas without prefix caching."""
+    Off for replicas without prefix caching (ClusterConfig sets it from their enable_prefix_caching)."""
     session_weight: float = pydantic.Field(16.0, ge=0)
     """For a session's first turn, which picks the replica its later turns follow it to: cost per token
     that the sessions the replica hosts are expected to bring per turn (in flight as a later turn, or

@@ -1,4 +1,5 @@
 """Stand-ins for the engine, its client, the tokenizer and the router client: the Serve glue tested without a model."""
+import asyncio
 import math
 from collections.abc import Sequence
 
@@ -159,16 +160,20 @@ def cached_tokens(attempt: int) -> int:
 
 
 class FakeRouterClient:
-    """A RouterClient handing out a fake router actor handle; the first `unreachable` lookups fail."""
+    """A RouterClient handing out a fake router actor handle; the first `unreachable` lookups fail. Given a
+    gate, lookups wait until it is set (a slow GCS)."""
 
-    def __init__(self, handle, *, unreachable: int = 0):
+    def __init__(self, handle, *, unreachable: int = 0, gate: asyncio.Event | None = None):
         self.handle = handle
         self.unreachable = unreachable
+        self.gate = gate
         self.lookups = 0
         self.resets = 0
 
     async def get(self):
         self.lookups += 1
+        if self.gate is not None:
+            await self.gate.wait()
         if self.lookups <= self.unreachable:
             raise ConnectionError("GCS unavailable")
         return self.handle

@@ -1,6 +1,7 @@
 """The HTTP layer through its public entry point (build_api), with a fake engine: protocol, errors, SSE."""
 import asyncio
 import json
+import threading
 
 import httpx
 import openai
@@ -8,7 +9,7 @@ import pytest
 
 from cluster.api import build_api
 from cluster.metrics import ServingMetrics
-from cluster.protocol import REPLICA_HEADER, CompletionRequest
+from cluster.protocol import REPLICA_HEADER
 from cluster.serving import OpenAIServing
 from replica.async_engine import ModelInfo
 from replica.kv_cache import hash_token_blocks
@@ -24,8 +25,9 @@ CHAT_PROMPT = "system: Be brief.\nuser: Hi\nassistant: "
 
 
 def make_app(engine: FakeEngineClient | None = None, *, api_key: str | None = None,
-             snapshot: RouterSnapshot | None = None, max_body_bytes: int | None = None, max_migrations: int = 0):
-    serving = OpenAIServing(engine or FakeEngineClient(), FakeTokenizer(),
+             snapshot: RouterSnapshot | None = None, max_body_bytes: int | None = None, max_migrations: int = 0,
+             tokenizer: FakeTokenizer | None = None):
+    serving = OpenAIServing(engine or FakeEngineClient(), tokenizer or FakeTokenizer(),
                             ModelInfo(MODEL, MAX_MODEL_LEN, VOCAB_SIZE, BLOCK_SIZE, HASH_SEED), ServingMetrics(),
                             max_migrations=max_migrations)
 
@@ -200,7 +202,7 @@ def test_closing_a_stream_early_abandons_the_engine_stream_and_migrates_nothing(
     engine = FakeEngineClient()
     serving = OpenAIServing(engine, FakeTokenizer(), ModelInfo(MODEL, MAX_MODEL_LEN, VOCAB_SIZE, BLOCK_SIZE), ServingMetrics(),
                             max_migrations=2)
-    body = CompletionRequest(model=MODEL, prompt="hello", max_tokens=50, stream=True)
+    body = json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 50, "stream": True}).encode()
 
     async def read_one_chunk_then_disconnect():
         response = await serving.create_completion(body, arrival_time=0.0)
@@ -211,6 +213,45 @@ def test_closing_a_stream_early_abandons_the_engine_stream_and_migrates_nothing(
     assert '"text": "t0 "' in asyncio.run(read_one_chunk_then_disconnect())
     assert engine.abandoned == [engine.requests[0].request_id]
     assert len(engine.requests) == 1
+
+
+class BlockingTokenizer(FakeTokenizer):
+    """Tokenizing a text with HUGE in it lasts until release is set, as a 100k-token prompt's would."""
+    HUGE = "huge"
+
+    def __init__(self):
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.HUGE in text:
+            self.entered.set()
+            self.release.wait(timeout=5)  # against a hang only: the old inline code fails the test after it
+        return super().encode(text, add_special_tokens)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", lambda prompt: {"prompt": prompt}),
+    ("/v1/chat/completions", lambda prompt: {"messages": [{"role": "user", "content": prompt}]}),
+])
+def test_tokenizing_a_huge_prompt_holds_up_no_other_request(path, body):
+    tokenizer = BlockingTokenizer()
+    finished = []
+
+    async def send(client: httpx.AsyncClient, prompt: str) -> None:
+        response = await client.post(path, json={"model": MODEL, "max_tokens": 2, **body(prompt)})
+        finished.append((prompt, response.status_code))
+
+    async def test():
+        async with http_client(make_app(tokenizer=tokenizer)) as client:
+            huge = asyncio.create_task(send(client, BlockingTokenizer.HUGE))
+            await asyncio.to_thread(tokenizer.entered.wait, 5)
+            await send(client, "hi")
+            tokenizer.release.set()
+            await huge
+
+    asyncio.run(test())
+    assert finished == [("hi", 200), ("huge", 200)]
 
 
 def test_a_finished_stream_is_not_abandoned():

@@ -40,6 +40,16 @@ def test_engine_deployment_routes_through_the_prefix_aware_router():
     assert router_config.request_router_kwargs["policy"]["policy"] == "least_loaded"
 
 
+def test_the_router_assumes_what_the_engine_config_says():
+    def router_policy(**engine) -> dict:
+        return engine_options(ClusterConfig(engine=engine))["request_router_config"].request_router_kwargs["policy"]
+
+    policy = router_policy(max_num_batched_tokens=1024, enable_prefix_caching=False)
+    assert (policy["step_token_budget"], policy["assume_routed_prefix_cached"]) == (1024, False)
+    policy = router_policy()
+    assert (policy["step_token_budget"], policy["assume_routed_prefix_cached"]) == (8192, True)
+
+
 def test_autoscaling_replaces_the_fixed_replica_count():
     config = ClusterConfig(autoscaling={"min_replicas": 1, "max_replicas": 4})
     options = engine_options(config)

@@ -6,6 +6,7 @@ import pytest
 
 from cluster.cli import build_parser, config_from_args, main
 from cluster.config import ClusterConfig
+from router.policy import PolicyConfig
 
 SERVE_OPTIONS = {
     "-h", "--help", "--address", "--host", "--port", "--replicas", "--autoscale", "--replica-cpus", "--replica-gpus",
@@ -52,6 +53,13 @@ def test_flags_reach_the_config(monkeypatch):
                    "--max-migrations", "0")
     assert (limits.max_waiting_requests, limits.max_queued_requests, limits.max_request_body_bytes,
             limits.max_migrations) == (4, 16, 4096, 0)
+
+
+def test_the_routers_assumptions_follow_the_engine_flags():
+    assert parse("--max-num-batched-tokens", "512", "--no-prefix-caching").routing_config == PolicyConfig(
+        step_token_budget=512, assume_routed_prefix_cached=False)
+    assert parse("--routing-policy", "round_robin").routing_config == PolicyConfig(
+        policy="round_robin", step_token_budget=8192, assume_routed_prefix_cached=True)
 
 
 def test_autoscaling_starts_at_the_replica_count_within_bounds():

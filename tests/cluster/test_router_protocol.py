@@ -1,10 +1,13 @@
-"""Replica <-> router protocol without Ray: RouterPublisher talking to a RouterActor through a fake handle."""
+"""Replica <-> router protocol without Ray: RouterPublisher talking to a RouterActor through a fake handle, fed
+by a fake engine core, alone or driven by AsyncEngine."""
 import asyncio
 import concurrent.futures
+import functools
 import logging
 
 from cluster.publisher import RouterPublisher
-from replica.kv_cache import hash_token_blocks
+from replica.async_engine import AsyncEngine, EngineRequest
+from replica.kv_cache import BlockStored, hash_token_blocks
 from replica.request import SamplingParams
 from replica.scheduler import SchedulerStats
 from router.actor import RouterActor, router_actor_name
@@ -28,12 +31,14 @@ class FakeObjectRef:
 
 
 class FakeRouterHandle:
-    """A RouterActor reached like a Ray actor handle: calls wait until deliver() runs them in order."""
+    """A RouterActor reached like a Ray actor handle: a slow one, whose calls wait until deliver() runs them
+    in order."""
 
     def __init__(self, actor: RouterActor):
         self.actor = actor
         self.pending: list[tuple[str, tuple, concurrent.futures.Future]] = []
         self.delivered: list[tuple[str, int]] = []  # (method, seq)
+        self.payloads: list[tuple[list, list[FinishedRequest]]] = []  # (events or hashes, finished) of each
 
     def __getattr__(self, method: str):
         handle = self
@@ -53,10 +58,34 @@ class FakeRouterHandle:
             if lose:
                 future.set_exception(ConnectionError("the router actor died"))
             else:
-                self.delivered.append((method, args[1]))
+                replica_id, seq, payload, stats, finished = args
+                self.delivered.append((method, seq))
+                self.payloads.append((payload, finished))
                 future.set_result(getattr(self.actor, method)(*args))
-        for _ in range(3):  # let the replies' callbacks run
-            await asyncio.sleep(0)
+        await settle()  # the publisher takes the reply, and sends what accumulated meanwhile
+
+
+class FakeSleep:
+    """The publisher's retry wait: it records each delay and lasts until the test calls wake()."""
+
+    def __init__(self):
+        self.delays: list[float] = []
+        self._woken: asyncio.Event | None = None
+
+    async def __call__(self, delay: float) -> None:
+        self.delays.append(delay)
+        self._woken = asyncio.Event()
+        await self._woken.wait()
+
+    async def wake(self) -> None:
+        self._woken.set()
+        await settle()
+
+
+async def settle() -> None:
+    """Lets the publisher's sender task run until it waits again."""
+    for _ in range(5):
+        await asyncio.sleep(0)
 
 
 def new_router() -> RouterActor:
@@ -71,16 +100,38 @@ def add_prompt(core: FakeEngineCore, request_id: str, prompt: list[int]) -> None
     core.add_request(request_id, prompt, SamplingParams(max_tokens=1))
 
 
+async def record(publisher: RouterPublisher, core: FakeEngineCore) -> None:
+    """What the engine loop does after a step."""
+    publisher.record(core)
+    await settle()
+
+
+def engine_request(request_id: str, prompt: list[int], max_tokens: int) -> EngineRequest:
+    return EngineRequest(request_id, prompt, [], SamplingParams(max_tokens=max_tokens))
+
+
+async def collect(outputs) -> None:
+    async for _ in outputs:
+        pass
+
+
+def stored(prompt: list[int]) -> BlockStored:
+    return BlockStored(prompt_hashes(prompt), None, [], BLOCK_SIZE)
+
+
 def test_batches_are_numbered_and_mirrored_by_the_router():
     async def test():
         core, handle = FakeEngineCore(), FakeRouterHandle(new_router())
         publisher = RouterPublisher("r1", FakeRouterClient(handle))
         add_prompt(core, "a", list(range(8)))
-        await publisher.publish(core)
-        add_prompt(core, "b", list(range(12)))
-        await publisher.publish(core)
-        await publisher.publish(core)
+        await record(publisher, core)
         await handle.deliver()
+        add_prompt(core, "b", list(range(12)))
+        await record(publisher, core)
+        await handle.deliver()
+        await record(publisher, core)
+        await handle.deliver()
+        await publisher.close()
         return handle
 
     handle = asyncio.run(test())
@@ -88,25 +139,56 @@ def test_batches_are_numbered_and_mirrored_by_the_router():
     assert handle.actor.index.match(prompt_hashes(list(range(12)))) == {"r1": 3}
 
 
-def test_a_lost_batch_makes_the_next_publish_a_resync():
+def test_what_accumulates_while_a_batch_is_in_flight_goes_as_the_next_batch():
+    async def test():
+        core, handle = FakeEngineCore(), FakeRouterHandle(new_router())
+        publisher = RouterPublisher("r1", FakeRouterClient(handle))
+        add_prompt(core, "a", list(range(4)))
+        await record(publisher, core)
+        for request_id, prompt in (("b", list(range(10, 14))), ("c", list(range(20, 28)))):
+            add_prompt(core, request_id, prompt)
+            publisher.request_finished(request_id, 4)
+            await record(publisher, core)
+        await record(publisher, core)
+        num_pending = len(handle.pending)
+        await handle.deliver()
+        await handle.deliver()
+        await publisher.close()
+        return handle, num_pending
+
+    handle, num_pending = asyncio.run(test())
+    assert num_pending == 1  # batch 1: nothing else is sent before the router answers it
+    assert handle.delivered == [("publish", 1), ("publish", 2)]
+    assert handle.payloads == [
+        ([stored(list(range(4)))], []),
+        ([stored(list(range(10, 14))), stored(list(range(20, 28)))],
+         [FinishedRequest("b", 4), FinishedRequest("c", 4)]),
+    ]
+
+
+def test_a_lost_batch_makes_the_next_batch_a_resync_with_its_finished_requests():
     client = FakeRouterClient(FakeRouterHandle(new_router()))
 
     async def test():
         core, handle = FakeEngineCore(), client.handle
         publisher = RouterPublisher("r1", client)
         add_prompt(core, "a", list(range(8)))
-        await publisher.publish(core)
+        publisher.request_finished("a", 0)
+        await record(publisher, core)
         await handle.deliver(lose=True)
         add_prompt(core, "b", list(range(100, 108)))
-        await publisher.publish(core)
+        await record(publisher, core)
         await handle.deliver()
-        await publisher.publish(core)
+        await record(publisher, core)
         await handle.deliver()
+        await publisher.close()
         return handle
 
     handle = asyncio.run(test())
     assert client.resets == 1
     assert handle.delivered == [("resync", 2), ("publish", 3)]
+    assert handle.payloads[0] == (prompt_hashes(list(range(8))) + prompt_hashes(list(range(100, 108))),
+                                  [FinishedRequest("a", 0)])
     assert handle.actor.index.match(prompt_hashes(list(range(8)))) == {"r1": 2}
     assert handle.actor.index.match(prompt_hashes(list(range(100, 108)))) == {"r1": 2}
 
@@ -116,32 +198,37 @@ def test_a_new_router_gets_a_resync_once():
         core, handle = FakeEngineCore(), FakeRouterHandle(new_router())
         publisher = RouterPublisher("r1", FakeRouterClient(handle))
         add_prompt(core, "a", list(range(8)))
-        await publisher.publish(core)
+        await record(publisher, core)
         await handle.deliver()
         handle.actor = new_router()  # restarted: it knows nothing
-        await publisher.publish(core)
-        await publisher.publish(core)  # in flight when the first refusal comes back
-        await handle.deliver()
-        await publisher.publish(core)
-        await publisher.publish(core)
-        await handle.deliver()
+        for _ in range(3):
+            await record(publisher, core)
+            await handle.deliver()
+        await publisher.close()
         return handle
 
     handle = asyncio.run(test())
-    assert handle.delivered == [("publish", 1), ("publish", 2), ("publish", 3), ("resync", 4), ("publish", 5)]
+    assert handle.delivered == [("publish", 1), ("publish", 2), ("resync", 3), ("publish", 4)]
     assert handle.actor.index.match(prompt_hashes(list(range(8)))) == {"r1": 2}
 
 
-def test_an_unreachable_router_is_looked_up_again_then_resynced():
-    client = FakeRouterClient(FakeRouterHandle(new_router()), unreachable=3)
+def test_an_unreachable_router_is_looked_up_once_per_retry_interval_then_resynced():
+    client = FakeRouterClient(FakeRouterHandle(new_router()), unreachable=2)
+    sleep = FakeSleep()
 
     async def test():
         core = FakeEngineCore()
-        publisher = RouterPublisher("r1", client)
+        publisher = RouterPublisher("r1", client, retry_interval_s=5.0, sleep=sleep)
         add_prompt(core, "a", list(range(8)))
-        for _ in range(4):  # the first three lost: no router
-            await publisher.publish(core)
+        lookups = []
+        for _ in range(2):
+            for _ in range(3):  # steps while the sender waits out the interval
+                await record(publisher, core)
+            lookups.append(client.lookups)
+            await sleep.wake()  # the first time, the lookup fails again
         await client.handle.deliver()
+        await publisher.close()
+        return lookups
 
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
@@ -149,14 +236,63 @@ def test_an_unreachable_router_is_looked_up_again_then_resynced():
     publisher_logger = logging.getLogger("ray.serve.prefixserve.publisher")  # ray's loggers do not propagate
     publisher_logger.addHandler(handler)
     try:
-        asyncio.run(test())
+        lookups = asyncio.run(test())
     finally:
         publisher_logger.removeHandler(handler)
-    assert client.lookups == 4
+    assert lookups == [1, 2]
+    assert (client.lookups, sleep.delays) == (3, [5.0, 5.0])
     assert client.handle.delivered == [("resync", 1)]
     assert [record.getMessage().split(":")[0] for record in records] == [
         "replica r1 cannot reach the router actor", "replica r1 reached the router actor again"]
     assert client.handle.actor.index.match(prompt_hashes(list(range(8)))) == {"r1": 2}
+
+
+async def step_two_requests(publisher: RouterPublisher, core: FakeEngineCore) -> AsyncEngine:
+    """Runs "a" (5 steps) and "b" (1 step, added after a's first) on an AsyncEngine publishing through publisher."""
+    engine = AsyncEngine(core, after_step=functools.partial(publisher.record, core), idle_interval_s=3600)
+    outputs = engine.generate(engine_request("a", list(range(4)), max_tokens=5))
+    await anext(outputs)
+    await collect(engine.generate(engine_request("b", list(range(10, 14)), max_tokens=1)))
+    await collect(outputs)
+    return engine
+
+
+def test_the_engine_steps_on_while_the_router_has_not_answered():
+    async def test():
+        core, handle = FakeEngineCore(), FakeRouterHandle(new_router())
+        publisher = RouterPublisher("r1", FakeRouterClient(handle))
+        engine = await step_two_requests(publisher, core)
+        num_steps_unanswered = core.num_steps
+        await handle.deliver()
+        await handle.deliver()
+        await engine.shutdown()
+        await publisher.close()
+        return handle, num_steps_unanswered
+
+    handle, num_steps_unanswered = asyncio.run(test())
+    assert num_steps_unanswered == 5  # every step of "a" ("b" shares its second) while batch 1 is unanswered
+    assert handle.delivered == [("publish", 1), ("publish", 2)]
+    assert [events for events, _ in handle.payloads] == [[stored(list(range(4)))], [stored(list(range(10, 14)))]]
+
+
+def test_the_engine_steps_on_while_the_router_is_being_looked_up():
+    async def test():
+        core, handle = FakeEngineCore(), FakeRouterHandle(new_router())
+        client = FakeRouterClient(handle, gate=asyncio.Event())
+        publisher = RouterPublisher("r1", client)
+        engine = await step_two_requests(publisher, core)
+        unanswered = (core.num_steps, client.lookups)
+        client.gate.set()
+        await settle()
+        await handle.deliver()
+        await engine.shutdown()
+        await publisher.close()
+        return handle, unanswered
+
+    handle, (num_steps, num_lookups) = asyncio.run(test())
+    assert (num_steps, num_lookups) == (5, 1)
+    assert handle.delivered == [("publish", 1)]
+    assert [events for events, _ in handle.payloads] == [[stored(list(range(4))), stored(list(range(10, 14)))]]
 
 
 def test_finished_requests_release_bookings_and_score_predictions():

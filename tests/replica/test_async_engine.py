@@ -103,7 +103,7 @@ def test_call_runs_between_steps_with_the_core():
 def test_after_step_runs_after_every_step_and_when_idle():
     calls = []
 
-    async def after_step():
+    def after_step():
         calls.append(core.num_steps)
 
     async def test(engine, core):
@@ -119,7 +119,7 @@ def test_after_step_runs_after_every_step_and_when_idle():
 
 
 def test_a_failing_hook_does_not_stop_the_engine():
-    async def after_step():
+    def after_step():
         raise ConnectionError("router gone")
 
     async def test(engine, core):
