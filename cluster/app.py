@@ -1,4 +1,4 @@
-"""The Serve application: an HTTP ingress in front of the engine deployment, routed by the router actor."""
+"""The Serve application: HTTP ingress replicas in front of the engine deployment, each routing in its own process."""
 from typing import Any
 
 from ray import serve
@@ -24,7 +24,7 @@ def build_app(args: dict[str, Any]) -> Application:
 def build(config: ClusterConfig) -> Application:
     engine = serve.deployment(EngineReplica, name="engine").options(**engine_options(config))
     ingress = serve.deployment(Ingress, name="ingress").options(
-        num_replicas=1, max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS, ray_actor_options={"num_cpus": 0})
+        num_replicas=config.ingress_replicas, max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS, ray_actor_options={"num_cpus": 0})
     return ingress.bind(engine.bind(config), config)
 
 
@@ -32,7 +32,7 @@ def engine_options(config: ClusterConfig) -> dict[str, Any]:
     router_config = RequestRouterConfig(
         request_router_class=PrefixAwareRequestRouter,
         request_router_kwargs={"policy": config.routing_config.model_dump(),
-                               "block_size": config.engine.cache.block_size, "timeout_s": config.router_timeout_s},
+                               "block_size": config.engine.cache.block_size, "sync_interval_s": config.router_sync_interval_s},
         request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)
     options = {
         "max_ongoing_requests": config.engine.scheduler.max_num_seqs + config.max_waiting_requests,

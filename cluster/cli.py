@@ -26,10 +26,14 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--host", default="127.0.0.1", help="HTTP host to listen on (default: %(default)s)")
     cluster.add_argument("--port", type=int, default=8000, help="HTTP port (default: %(default)s)")
     cluster.add_argument("--replicas", type=int, default=2, help="engine replicas (default: %(default)s)")
+    cluster.add_argument("--ingress-replicas", type=int, default=1,
+                         help="HTTP ingress replicas, each routing requests in its own process (default: %(default)s)")
     cluster.add_argument("--autoscale", type=int, nargs=2, metavar=("MIN", "MAX"),
                          help="scale the engine replicas between MIN and MAX on preemptions (starts at --replicas)")
     cluster.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs reserved per engine replica (default: %(default)s)")
     cluster.add_argument("--replica-gpus", type=float, default=0.0, help="GPUs reserved per engine replica (default: %(default)s)")
+    cluster.add_argument("--router-sync-interval-s", type=float, default=0.02,
+                         help="seconds between an ingress replica's syncs of its routing view (default: %(default)s)")
     cluster.add_argument("--routing-policy", choices=["prefix", "round_robin", "least_loaded"], default="prefix",
                          help="how requests are spread over the replicas (default: %(default)s)")
     cluster.add_argument("--max-waiting-requests", type=int, default=256,
@@ -99,8 +103,10 @@ def config_from_args(args: argparse.Namespace):
         min_replicas, max_replicas = args.autoscale
         autoscaling = {"min_replicas": min_replicas, "max_replicas": max_replicas,
                        "initial_replicas": min(max(args.replicas, min_replicas), max_replicas)}
-    return ClusterConfig(engine=engine, num_replicas=args.replicas, autoscaling=autoscaling,
-                         routing=args.routing_policy, api_key=args.api_key or os.environ.get(API_KEY_ENV),
+    return ClusterConfig(engine=engine, num_replicas=args.replicas, ingress_replicas=args.ingress_replicas,
+                         autoscaling=autoscaling, routing=args.routing_policy,
+                         router_sync_interval_s=args.router_sync_interval_s,
+                         api_key=args.api_key or os.environ.get(API_KEY_ENV),
                          replica_num_cpus=args.replica_cpus, replica_num_gpus=args.replica_gpus,
                          max_waiting_requests=args.max_waiting_requests, max_queued_requests=args.max_queued_requests,
                          max_request_body_bytes=args.max_request_body_bytes, max_migrations=args.max_migrations)

@@ -16,13 +16,14 @@ class ClusterConfig(pydantic.BaseModel):
 
     engine: EngineConfig = pydantic.Field(default_factory=EngineConfig)
     num_replicas: int = pydantic.Field(2, ge=1)
+    ingress_replicas: int = pydantic.Field(1, ge=1)  # HTTP ingress replicas, each routing in its own process
     autoscaling: AutoscalingSettings | None = None  # None: a fixed num_replicas
     routing: Literal["prefix", "round_robin", "least_loaded"] = "prefix"  # how the router picks a replica
     api_key: str | None = None  # None: PREFIXSERVE_API_KEY from the ingress's environment, if set
     replica_num_cpus: float = pydantic.Field(1.0, ge=0)
     replica_num_gpus: float = pydantic.Field(0.0, ge=0)
-    # How long a request waits for the router actor before Serve picks its replica instead.
-    router_timeout_s: float = pydantic.Field(0.2, gt=0)
+    # How often each ingress replica syncs its routing view with the router feed (engines' reports, others' bookings).
+    router_sync_interval_s: float = pydantic.Field(0.02, gt=0)
     # Requests an engine replica takes beyond its running set (max_num_seqs); more wait in the ingress.
     max_waiting_requests: int = pydantic.Field(256, ge=0)
     # Requests the ingress holds while no engine replica has room; more get 429 with Retry-After.

@@ -1,6 +1,5 @@
 """Ingress: the class of the HTTP deployment; it serves the OpenAI API over the engine deployment."""
 import asyncio
-import logging
 from collections.abc import AsyncGenerator
 
 from ray import serve
@@ -15,11 +14,7 @@ from cluster.engine_client import EnginesBusy, ReplicaLost
 from cluster.serving import OpenAIServing
 from replica.async_engine import EngineOutput, EngineRequest
 from replica.executor.checkpoint import load_checkpoint
-from router.actor import RouterClient
-
-logger = logging.getLogger("ray.serve.prefixserve.ingress")
-
-SNAPSHOT_TIMEOUT_S = 1.0
+from router.follower import running_follower
 
 
 class ServeEngineClient:
@@ -52,7 +47,7 @@ class Ingress:
     async def __init__(self, engine: DeploymentHandle, config: ClusterConfig):
         model, checkpoint = await asyncio.gather(
             engine.model_info.remote(), asyncio.to_thread(load_checkpoint, config.engine.model))
-        self._router = RouterClient(serve.get_replica_context().app_name, config.routing_config, model.block_size)
+        self._app_name = serve.get_replica_context().app_name
         self._metrics = ServingMetrics()
         self._serving = OpenAIServing(ServeEngineClient(engine), checkpoint.tokenizer, model, self._metrics,
                                       max_migrations=config.max_migrations)
@@ -64,12 +59,7 @@ class Ingress:
                          max_body_bytes=self._max_body_bytes)
 
     async def _render_metrics(self) -> bytes:
-        try:
-            async with asyncio.timeout(SNAPSHOT_TIMEOUT_S):
-                snapshot = await (await self._router.get()).snapshot.remote()
-        except Exception as exc:  # the ingress's own series are still worth serving
-            logger.warning("no router snapshot for /metrics: %r", exc)
-            if isinstance(exc, RayActorError):
-                self._router.reset()
-            snapshot = None
+        """This ingress's series and its routing view (the engines' reports through the feed, its decisions)."""
+        follower = running_follower(self._app_name)
+        snapshot = await follower.snapshot() if follower is not None else None
         return self._metrics.render(snapshot)

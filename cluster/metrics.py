@@ -3,8 +3,8 @@
 Two sources meet here. The ingress times every request itself (TTFT, inter-token latency,
 end-to-end latency, token counts) and labels it with the replica that served it; it also counts
 the requests it migrated off a lost replica. The engine
-gauges and cache counters, and the router's own series, come from the router actor, which
-receives every replica's stats after each engine step; they are read at scrape time.
+gauges and cache counters, and the router's own series, come from this ingress's routing view, which
+the router feed keeps current with every replica's stats; they are read at scrape time.
 Names mirror vLLM's (vllm:* -> prefixserve:*) with the same meaning.
 """
 import operator
@@ -124,7 +124,7 @@ REPLICA_SERIES = [
 
 
 class RouterCollector(Collector):
-    """Engine and router series from the router actor's latest snapshot."""
+    """Engine and router series from the snapshot of this ingress's routing view."""
 
     def __init__(self) -> None:
         self.snapshot: RouterSnapshot | None = None

@@ -1,15 +1,17 @@
-"""RouterActor: the one Ray actor per Serve app; a shell around the app's Router.
+"""RouterActor: the one Ray actor per Serve app; the engines' reports in one ordered feed.
 
 Engine replicas publish to it as they step (numbered KV event batches, stats, the requests that
-finished; cluster/publisher.py); the request router in the ingress asks it where each request goes.
-Its methods are synchronous and short, so Ray runs them one at a time in the order each caller sent
-them: a replica's batches arrive in sequence.
+finished; cluster/publisher.py). It keeps them in a Router, so that it knows every replica's state,
+and records them in a feed that every ingress replica's request router follows, off the request
+path: each ingress routes in its own process on its own copy of that view, and shares its bookings
+through the same feed (router/feed.py). Its methods are synchronous and short, so Ray runs them one
+at a time in the order each caller sent them: a replica's batches arrive in sequence.
 
-The actor is named after the Serve app and its routing config, and created by the ingress's process
-(its request router or its /metrics, whichever asks first: get_if_exists). It dies with that
-process, so it never outlives the app; engine replicas only look it up, so losing one never takes
-the router with it. When it dies anyway, the next ingress call creates a fresh one and every
-replica resyncs into it.
+The actor is named after the Serve app and its routing config, and created by an ingress's process
+(whichever asks first: get_if_exists). It dies with that process, so it never outlives the app;
+engine replicas only look it up. When it dies anyway, routing goes on with each ingress's last
+view; the next ingress call creates a fresh one, every replica resyncs into it and every follower
+takes its new epoch.
 """
 import asyncio
 import gc
@@ -18,13 +20,13 @@ import ray
 import xxhash
 from ray.actor import ActorHandle
 
-from router.core import Router
+from router.feed import FeedingRouter
 from router.policy import PolicyConfig
 
 NAMESPACE = "prefixserve"
 
 
-class RouterActor(Router):
+class RouterActor(FeedingRouter):
     def __init__(self, config: PolicyConfig, block_size: int, **kwargs):
         super().__init__(config, block_size, **kwargs)
         # Everything imported so far lives as long as the actor: keep the collector off it, so that

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from replica.kv_cache import BlockHash, KVEvent
 from replica.scheduler import SchedulerStats
 from router.index import BlockIndex
-from router.messages import FinishedRequest, ReplicaSnapshot, RouterSnapshot, RoutingDecision
+from router.messages import FinishedRequest, ReplicaSnapshot, ReplicaState, RouterSnapshot, RoutingDecision
 from router.policy import Candidate, PolicyConfig, RequestShape, make_policy
 from router.sessions import ParkedSessions
 
@@ -192,9 +192,22 @@ class Router:
         self.release(request_id)
         request = RequestShape(len(booking.block_hashes), booking.num_prompt_tokens, self.block_size,
                                booking.session_turn)
-        matched_blocks = self.index.match(booking.block_hashes).get(replica_id, 0)
-        decision = RoutingDecision(replica_id, matched_blocks, "fallback")
-        self._book(request_id, decision, request, booking.block_hashes, booking.routed_at, booking.session_id)
+        self._book_on(replica_id, request_id, request, booking.block_hashes, booking.routed_at, booking.session_id)
+
+    def book(self, request_id: str, replica_id: str, block_hashes: Sequence[BlockHash], *,
+             num_prompt_tokens: int, session_id: str | None = None) -> None:
+        """Another router sent this request to replica_id: count it there as if it had been routed here,
+        until the replica reports it finished (not a decision of this router's)."""
+        previous = self._bookings.get(request_id)
+        self.release(request_id)
+        request = RequestShape(len(block_hashes), num_prompt_tokens, self.block_size,
+                               self._session_turn(previous, session_id))
+        self._book_on(replica_id, request_id, request, block_hashes, self._clock(), session_id)
+
+    def replica_states(self) -> list[ReplicaState]:
+        """What each reporting replica last told: enough for another Router to resync every one of them."""
+        return [ReplicaState(replica_id, replica.last_seq, self.index.stored_hashes(replica_id), replica.snapshot.stats)
+                for replica_id, replica in self._replicas.items() if replica.snapshot is not None]
 
     def release(self, request_id: str) -> None:
         """The request ended without reaching its replica: roll its booking back. Unknown ids are ignored."""
@@ -263,6 +276,12 @@ class Router:
         if previous is not None:
             return previous.session_turn  # the same turn, routed again
         return 1 + self._sessions.arrive(session_id) if session_id is not None else 0
+
+    def _book_on(self, replica_id: str, request_id: str, request: RequestShape, block_hashes: Sequence[BlockHash],
+                 routed_at: float, session_id: str | None) -> None:
+        matched_blocks = self.index.match(block_hashes).get(replica_id, 0)
+        decision = RoutingDecision(replica_id, matched_blocks, "fallback")
+        self._book(request_id, decision, request, block_hashes, routed_at, session_id)
 
     def _book(self, request_id: str, decision: RoutingDecision, request: RequestShape,
               block_hashes: Sequence[BlockHash], now: float, session_id: str | None) -> None:

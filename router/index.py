@@ -123,6 +123,11 @@ class BlockIndex:
             _drop_bit(self._booked, block_hash, mask)
         self._ids_by_bit[replica.bit] = None
 
+    def stored_hashes(self, replica_id: str) -> list[BlockHash]:
+        """The hashes the replica reported stored, in the order it stored them (bookings not counted)."""
+        replica = self._replicas.get(replica_id)
+        return list(replica.stored) if replica else []
+
     def num_blocks(self, replica_id: str) -> int:
         """Blocks the replica reported stored (bookings not counted)."""
         replica = self._replicas.get(replica_id)

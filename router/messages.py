@@ -6,7 +6,7 @@ from replica.kv_cache import AllBlocksCleared, BlockHash, BlockRemoved, BlockSto
 from replica.scheduler import SchedulerStats
 
 __all__ = ["AllBlocksCleared", "BlockHash", "BlockRemoved", "BlockStored", "FinishedRequest", "KVEvent",
-           "ReplicaSnapshot", "RouterSnapshot", "RoutingDecision", "SchedulerStats"]
+           "ReplicaSnapshot", "ReplicaState", "RouterSnapshot", "RoutingDecision", "SchedulerStats"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +20,15 @@ class RoutingDecision:
     replica_id: str
     matched_blocks: int
     outcome: str  # "prefix_hit", "no_hit", "spill", "round_robin", "least_loaded" or "fallback"
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaState:
+    """A replica as a router knows it from its reports: resync(replica_id, seq, block_hashes, stats) rebuilds it."""
+    replica_id: str
+    seq: int
+    block_hashes: list[BlockHash]
+    stats: SchedulerStats
 
 
 @dataclass(slots=True)

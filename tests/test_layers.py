@@ -12,7 +12,8 @@ PACKAGES = ["kernels", "replica", "router", "cluster"]
 # Lowest first. A module may import from its own layer or a lower one; the longest prefix names its layer.
 LAYERS = ["kernels", "replica.request", "replica.kv_cache", "replica.scheduler", "replica.config",
           "replica.async_engine", "replica.executor", "replica.engine", "replica", "router.messages", "router.index",
-          "router.policy", "router.sessions", "router.core", "router", "router.actor", "router.serve_router", "cluster"]
+          "router.policy", "router.sessions", "router.core", "router.feed", "router", "router.actor", "router.follower",
+          "router.serve_router", "cluster"]
 
 
 def layer_of(module: str) -> int | None:
@@ -43,7 +44,7 @@ def test_no_module_imports_from_a_higher_layer():
 
 def test_layer_of_names_the_longest_prefix():
     assert [layer_of(m) for m in ["replica.kv_cache.manager", "replica.async_engine", "router.actor", "json"]] == [
-        2, 5, 15, None]
+        2, 5, 16, None]
 
 
 @pytest.mark.parametrize("modules, forbidden", [
@@ -51,7 +52,7 @@ def test_layer_of_names_the_longest_prefix():
      ["ray", "fastapi", "torch"]),
     (["replica.engine"], ["ray", "fastapi"]),
     (["replica.executor.checkpoint", "cluster.ingress"], ["torch"]),  # the ingress only tokenizes
-    (["router", "router.index", "router.policy", "router.messages", "router.sessions", "router.core"],
+    (["router", "router.index", "router.policy", "router.messages", "router.sessions", "router.core", "router.feed"],
      ["ray", "fastapi", "torch"]),
 ])
 def test_engine_and_router_cores_load_no_serving_stack(modules, forbidden):

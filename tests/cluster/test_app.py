@@ -28,7 +28,7 @@ def test_build_app_takes_cluster_config_fields():
 
 def test_engine_deployment_routes_through_the_prefix_aware_router():
     config = ClusterConfig(num_replicas=3, routing="least_loaded", engine={"block_size": 32},
-                           replica_num_cpus=2, replica_num_gpus=1, router_timeout_s=0.5)
+                           replica_num_cpus=2, replica_num_gpus=1, router_sync_interval_s=0.5)
     options = engine_options(config)
     assert options["num_replicas"] == 3
     assert "autoscaling_config" not in options
@@ -36,7 +36,7 @@ def test_engine_deployment_routes_through_the_prefix_aware_router():
     router_config = options["request_router_config"]
     assert router_config.get_request_router_class() is PrefixAwareRequestRouter
     assert router_config.request_router_kwargs == {
-        "policy": config.routing_config.model_dump(), "block_size": 32, "timeout_s": 0.5}
+        "policy": config.routing_config.model_dump(), "block_size": 32, "sync_interval_s": 0.5}
     assert router_config.request_router_kwargs["policy"]["policy"] == "least_loaded"
 
 

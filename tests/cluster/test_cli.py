@@ -9,8 +9,8 @@ from cluster.config import ClusterConfig
 from router.policy import PolicyConfig
 
 SERVE_OPTIONS = {
-    "-h", "--help", "--address", "--host", "--port", "--replicas", "--autoscale", "--replica-cpus", "--replica-gpus",
-    "--routing-policy", "--max-waiting-requests", "--max-queued-requests", "--max-request-body-bytes",
+    "-h", "--help", "--address", "--host", "--port", "--replicas", "--ingress-replicas", "--autoscale",
+    "--replica-cpus", "--replica-gpus", "--router-sync-interval-s", "--routing-policy", "--max-waiting-requests", "--max-queued-requests", "--max-request-body-bytes",
     "--max-migrations", "--api-key", "--model", "--served-model-name", "--dtype", "--device", "--num-kv-blocks",
     "--kv-cache-gib", "--block-size", "--no-prefix-caching", "--max-num-seqs", "--max-num-batched-tokens",
     "--max-model-len", "--long-prefill-token-threshold", "--async-scheduling", "--no-async-scheduling",
@@ -34,6 +34,8 @@ def test_flags_reach_the_config(monkeypatch):
                    "--long-prefill-token-threshold", "128", "--policy", "priority", "--routing-policy",
                    "least_loaded", "--no-prefix-caching", "--dtype", "float32", "--replica-cpus", "2")
     assert config.num_replicas == 3
+    routers = parse("--ingress-replicas", "2", "--router-sync-interval-s", "0.05")
+    assert (routers.ingress_replicas, routers.router_sync_interval_s) == (2, 0.05)
     assert config.routing == "least_loaded"
     assert config.api_key == "from-env"
     assert config.replica_num_cpus == 2.0

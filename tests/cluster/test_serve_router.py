@@ -1,14 +1,18 @@
-"""PrefixAwareRequestRouter, Serve's side of routing, against a fake router actor (no Ray cluster)."""
+"""PrefixAwareRequestRouter, Serve's side of routing: it decides in its own process, on a view a fake router
+feed keeps current (no Ray cluster)."""
 import asyncio
 from dataclasses import dataclass, field
 
 import pytest
-from ray.exceptions import RayActorError
+
+from tests.router.chains import chain, stored
+from tests.router.test_core import stats
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
 
 from replica.async_engine import EngineRequest
 from replica.request import SamplingParams
-from router.messages import RoutingDecision
+from router import follower as follower_module
+from router.feed import FeedingRouter, SharedBooking
 from router.serve_router import PrefixAwareRequestRouter
 
 from .fakes import FakeRouterClient
@@ -33,34 +37,28 @@ class FakePendingRequest:
     kwargs: dict = field(default_factory=dict)
 
 
-class FakeRouterActor:
-    """Answers choose() with `answer` (a replica id, or an exception to raise, or None to hang)."""
+class FakeFeed:
+    """The router actor's feed side: a FeedingRouter whose follow() can be made to hang."""
 
-    def __init__(self, answer: str | Exception | None):
-        self.answer = answer
-        self.chosen: list[tuple] = []
+    def __init__(self, hang: bool = False):
+        self.owner = FeedingRouter(block_size=4)
+        self.hang = hang
+        self.bookings: list[SharedBooking] = []
         self.removed: list[str] = []
-        self.routed_elsewhere: list[tuple[str, str]] = []
 
     @property
-    def choose(self):
-        return FakeMethod(self._choose)
+    def follow(self):
+        return FakeMethod(self._follow)
 
     @property
     def remove_replica(self):
         return FakeMethod(self.removed.append)
 
-    @property
-    def routed(self):
-        return FakeMethod(lambda request_id, replica_id: self.routed_elsewhere.append((request_id, replica_id)))
-
-    async def _choose(self, request_id, block_hashes, candidates, *, num_prompt_tokens, session_id) -> RoutingDecision:
-        self.chosen.append((request_id, block_hashes, candidates, num_prompt_tokens, session_id))
-        if self.answer is None:
+    async def _follow(self, follower, epoch, cursor, bookings):
+        if self.hang:
             await asyncio.Event().wait()
-        if isinstance(self.answer, Exception):
-            raise self.answer
-        return RoutingDecision(self.answer, 1, "prefix_hit")
+        self.bookings += bookings
+        return self.owner.follow(follower, epoch, cursor, bookings)
 
 
 @dataclass
@@ -76,77 +74,88 @@ async def _resolved(value):
     return value
 
 
-def run(test, answer):
-    """test(router, actor, replicas) with a router over replicas a, b, c."""
-    actor = FakeRouterActor(answer)
-    client = FakeRouterClient(actor)
+@pytest.fixture(autouse=True)
+def one_process_per_test(monkeypatch):
+    monkeypatch.setattr(follower_module, "_FOLLOWERS", {})
 
+
+def run(test, feed: FakeFeed):
+    """test(router, replicas) with a router over replicas a, b, c; the feed synced only when the test says."""
     async def main():
         router = PrefixAwareRequestRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN)
-        router.initialize_state(policy={"policy": "prefix"}, block_size=4, timeout_s=0.05, router=client)
+        router.initialize_state(policy={"policy": "prefix"}, block_size=4, sync_interval_s=3600,
+                                feed=FakeRouterClient(feed))
         replicas = [FakeRunningReplica(unique_id) for unique_id in "abc"]
         router.update_replicas(replicas)
-        result = await test(router, actor, replicas)
-        await asyncio.sleep(0)  # let fire-and-forget calls land
-        return result
-    return asyncio.run(main()), actor, client
+        return await test(router, replicas)
+    return asyncio.run(main())
 
 
 def ids(tiers) -> list[list[str]]:
     return [[replica.replica_id.unique_id for replica in tier] for tier in tiers]
 
 
-async def choose_for_request(router, actor, replicas):
-    return await router.choose_replicas(replicas, FakePendingRequest([REQUEST]))
+async def synced(router) -> None:
+    await router._following.sync()
 
 
-def test_the_actors_choice_comes_first_then_the_others():
-    tiers, actor, _ = run(choose_for_request, "b")
-    assert ids(tiers) == [["b"], ["a", "c"]]
-    assert actor.chosen == [("req-1", REQUEST.block_hashes, ["a", "b", "c"], 4, "chat-1")]
+def test_it_decides_in_process_while_the_feed_hangs():
+    async def test(router, replicas):
+        return await asyncio.wait_for(router.choose_replicas(replicas, FakePendingRequest([REQUEST])), timeout=5)
+
+    feed = FakeFeed(hang=True)
+    assert ids(run(test, feed)) == [["a"], ["b", "c"]]
+    assert feed.bookings == []
 
 
-def test_a_request_serve_sends_to_its_second_tier_moves_its_booking():
-    async def test(router, actor, replicas):
+def test_the_replica_the_feed_says_caches_the_prefix_comes_first_and_the_booking_is_shared():
+    feed = FakeFeed()
+    request = EngineRequest("req-1", list(range(8)), chain(1, 2), SamplingParams(), session_id="chat-1")
+
+    async def test(router, replicas):
+        feed.owner.publish("b", 1, [stored(chain(1, 2))], stats(), [])
+        await synced(router)
+        tiers = await router.choose_replicas(replicas, FakePendingRequest([request]))
+        await synced(router)
+        return tiers
+
+    assert ids(run(test, feed)) == [["b"], ["a", "c"]]
+    assert feed.bookings == [SharedBooking("req-1", "b", chain(1, 2), 8, "chat-1")]
+
+
+def test_a_request_serve_sends_to_its_second_tier_moves_its_booking_here_and_for_the_others():
+    feed = FakeFeed()
+
+    async def test(router, replicas):
         pending = FakePendingRequest([REQUEST])
         tiers = await router.choose_replicas(replicas, pending)
-        router.on_request_routed(pending, tiers[1][0].replica_id, None)  # b refused it
-        other = FakePendingRequest([EngineRequest("req-2", [1], [], SamplingParams())])
-        await router.choose_replicas(replicas, other)
-        router.on_request_routed(other, replicas[1].replica_id, None)  # where the actor chose
+        router.on_request_routed(pending, tiers[1][0].replica_id, None)  # a refused it: b took it
+        await synced(router)
+        return [router._following.router.num_in_flight(replica) for replica in "abc"]
 
-    _, actor, _ = run(test, "b")
-    assert actor.routed_elsewhere == [("req-1", "a")]
+    assert run(test, feed) == [0, 1, 0]
+    assert [(booking.request_id, booking.replica_id) for booking in feed.bookings] == [("req-1", "a"), ("req-1", "b")]
 
 
 def test_requests_without_block_hashes_are_left_to_serve():
-    async def test(router, actor, replicas):
+    async def test(router, replicas):
         return [await router.choose_replicas(replicas, pending) for pending in (None, FakePendingRequest([]))]
 
-    results, actor, _ = run(test, "b")
-    assert [ids(tiers) for tiers in results] == [[["a", "b", "c"]]] * 2
-    assert actor.chosen == []
+    feed = FakeFeed()
+    assert [ids(tiers) for tiers in run(test, feed)] == [[["a", "b", "c"]]] * 2
+    assert feed.bookings == []
 
 
-@pytest.mark.parametrize("answer, resets", [(None, 0), (RayActorError(), 1)], ids=["slow", "dead"])
-def test_a_slow_or_dead_actor_falls_back_to_serves_choice_and_a_dead_one_is_looked_up_again(answer, resets):
-    tiers, actor, client = run(choose_for_request, answer)
-    assert ids(tiers) == [["a", "b", "c"]]
-    assert len(actor.chosen) == 1 and client.resets == resets
+def test_replicas_that_leave_or_die_leave_the_view_and_the_feed():
+    feed = FakeFeed()
 
-
-def test_a_choice_outside_the_candidates_falls_back():
-    async def test(router, actor, replicas):
-        return await router.choose_replicas(replicas[:2], FakePendingRequest([REQUEST]))
-
-    tiers, _, _ = run(test, "c")
-    assert ids(tiers) == [["a", "b"]]
-
-
-def test_replicas_that_leave_or_die_are_removed_from_the_actor():
-    async def test(router, actor, replicas):
+    async def test(router, replicas):
+        feed.owner.publish("a", 1, [stored(chain(1))], stats(), [])
+        await synced(router)
         router.update_replicas(replicas[1:])
         router.on_replica_actor_died(replicas[2].replica_id)
+        await synced(router)
+        return router._following.router.index.match(chain(1))
 
-    _, actor, _ = run(test, "b")
-    assert actor.removed == ["a", "c"]
+    assert run(test, feed) == {}
+    assert feed.removed == ["a", "c"]

@@ -1,0 +1,125 @@
+"""FollowingRouter: an ingress process's own Router, kept current from the router actor's feed.
+
+Requests are routed on it in this process, with no call to another one. A background task syncs it
+every interval: it sends the bookings made here since the last sync and replays what the engines
+reported meanwhile (router/feed.py). While the actor is slow or gone, routing goes on with the last
+view, and this process's own bookings keep counting.
+"""
+import asyncio
+import logging
+import uuid
+from collections.abc import Sequence
+
+from ray.exceptions import RayActorError
+
+from replica.kv_cache import BlockHash
+from router.actor import RouterClient
+from router.core import Router
+from router.feed import FeedUpdate, SharedBooking, replay
+from router.messages import RouterSnapshot, RoutingDecision
+from router.policy import PolicyConfig
+
+logger = logging.getLogger("ray.serve.prefixserve.router")
+
+_FOLLOWERS: dict[str, "FollowingRouter"] = {}  # by app name: one per process, shared by its request routers
+
+
+class FollowingRouter:
+    def __init__(self, router: Router, feed: RouterClient, name: str, interval_s: float):
+        self.router = router
+        self.name = name
+        self._feed = feed
+        self._interval_s = interval_s
+        self._epoch: str | None = None
+        self._cursor = 0
+        self._outbox: list[SharedBooking] = []
+        self._removed: list[str] = []
+        self._feed_ok = True
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._syncing = asyncio.Lock()  # one sync at a time: each replays from the cursor the last one left
+
+    @property
+    def started(self) -> bool:
+        return self._loop is not None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Sync on loop from now on (the first call's loop): routing calls come from that loop's thread."""
+        if self.started:
+            return
+        self._loop = loop
+        loop.call_soon_threadsafe(lambda: loop.create_task(self._run()))
+
+    def choose(self, request_id: str, block_hashes: Sequence[BlockHash], candidates: Sequence[str], *,
+               num_prompt_tokens: int, session_id: str | None) -> RoutingDecision:
+        decision = self.router.choose(request_id, block_hashes, candidates, num_prompt_tokens=num_prompt_tokens,
+                                      session_id=session_id)
+        self._outbox.append(SharedBooking(request_id, decision.replica_id, block_hashes, num_prompt_tokens,
+                                          session_id))
+        return decision
+
+    def routed(self, request_id: str, replica_id: str, block_hashes: Sequence[BlockHash], *,
+               num_prompt_tokens: int, session_id: str | None) -> None:
+        """Serve sent the request elsewhere than chosen: its booking moves, here and for the others."""
+        self.router.routed(request_id, replica_id)
+        self._outbox.append(SharedBooking(request_id, replica_id, block_hashes, num_prompt_tokens, session_id))
+
+    def remove_replica(self, replica_id: str) -> None:
+        self.router.remove_replica(replica_id)
+        self._removed.append(replica_id)
+
+    async def snapshot(self) -> RouterSnapshot:
+        """From any thread: taken on the routing loop, so no routing call runs meanwhile."""
+        async def take() -> RouterSnapshot:
+            return self.router.snapshot()
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(take(), self._loop))
+
+    async def sync(self) -> None:
+        async with self._syncing:
+            await self._sync()
+
+    async def _sync(self) -> None:
+        bookings, self._outbox = self._outbox, []
+        removed, self._removed = self._removed, []
+        try:
+            feed = await self._feed.get()
+            for replica_id in removed:
+                feed.remove_replica.remote(replica_id)
+            update: FeedUpdate = await feed.follow.remote(self.name, self._epoch, self._cursor, bookings)
+        except Exception as exc:  # the bookings are lost to the others; the replicas' reports will cover them
+            self._warn_once(exc)
+            self._removed = removed + self._removed
+            return
+        if not self._feed_ok:
+            logger.info("router feed reached again: %s follows it", self.name)
+            self._feed_ok = True
+        replay(self.router, update, self.name)
+        self._epoch, self._cursor = update.epoch, update.cursor
+
+    async def _run(self) -> None:
+        while True:
+            await self.sync()
+            await asyncio.sleep(self._interval_s)
+
+    def _warn_once(self, exc: Exception) -> None:
+        if isinstance(exc, RayActorError):
+            self._feed.reset()
+        if self._feed_ok:
+            logger.warning("%s cannot sync with the router feed (%r); routing on its last view", self.name, exc)
+        self._feed_ok = False
+
+
+def following_router(app_name: str, policy: PolicyConfig, block_size: int, interval_s: float,
+                     feed: RouterClient | None = None) -> FollowingRouter:
+    """This process's FollowingRouter for the app, created (not started) on first call."""
+    follower = _FOLLOWERS.get(app_name)
+    if follower is None:
+        feed = feed or RouterClient(app_name, policy, block_size)
+        name = f"{app_name}:{uuid.uuid4().hex[:12]}"
+        follower = _FOLLOWERS[app_name] = FollowingRouter(Router(policy, block_size), feed, name, interval_s)
+    return follower
+
+
+def running_follower(app_name: str) -> FollowingRouter | None:
+    """This process's started FollowingRouter for the app, if its request router has been set up."""
+    follower = _FOLLOWERS.get(app_name)
+    return follower if follower is not None and follower.started else None
