@@ -108,8 +108,8 @@ def routers_table(runs: list[RunMetrics]) -> str:
         alone = _one_router(runs, run)
         cells = [str(run.num_routers), run.bookings, f"{run.hit_rate:.1%}",
                  f"{100 * (run.hit_rate - alone.hit_rate):+.1f}", f"{run.ttft_p50:.2f}",
-                 f"{run.ttft_p50 / alone.ttft_p50:.2f}x", f"{run.ttft_p99:.2f}", f"{run.ttft_p99 / alone.ttft_p99:.2f}x",
-                 f"{run.load_max_over_mean:.2f}", str(run.preemptions)]
+                 f"{run.ttft_p50 / alone.ttft_p50:.2f}x", f"{run.ttft_p99:.2f}",
+                 f"{run.ttft_p99 / alone.ttft_p99:.2f}x", f"{run.load_max_over_mean:.2f}", str(run.preemptions)]
         lines.append(f"| {run.workload} | {run.num_replicas} | {run.policy} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
