@@ -29,10 +29,10 @@ def system_prompts() -> list[Program]:
     return programs
 
 
-def burst() -> list[Program]:
-    """Four prompts with nothing in common, 1 ms apart: before any replica reports."""
-    return [Program(f"p{i}", [Turn(list(range(1000 * i, 1000 * i + 64)), [1, 2])], start_s=0.001 * i)
-            for i in range(4)]
+def unrelated_prompts(count: int, apart_s: float) -> list[Program]:
+    """Prompts of 64 tokens with nothing in common, arriving apart_s apart."""
+    return [Program(f"p{i}", [Turn(list(range(1000 * i, 1000 * i + 64)), [1, 2])], start_s=apart_s * i)
+            for i in range(count)]
 
 
 def test_one_router_routes_as_before_the_simulator_had_several():
@@ -56,4 +56,13 @@ def test_routers_that_learn_everything_at_once_route_as_one(num_routers):
 def test_a_burst_spreads_over_the_bookings_each_router_knows(num_routers, sync_delay_s, shared_bookings, replicas):
     spec = ClusterSpec(num_blocks=1024, num_routers=num_routers, sync_delay_s=sync_delay_s,
                        shared_bookings=shared_bookings)
-    assert routed(burst(), 2, spec)[0] == replicas
+    assert routed(unrelated_prompts(4, apart_s=0.001), 2, spec)[0] == replicas  # before any replica reports
+
+
+@pytest.mark.parametrize("sync_delay_s, replicas", [
+    (0.0, "01"),  # the second router knows r0 caches the first prompt: a new prefix goes where fewer are cached
+    (1.0, "00"),  # it has heard nothing yet: both replicas look alike, the first wins the tie
+])
+def test_publications_reach_every_router_the_sync_delay_later(sync_delay_s, replicas):
+    spec = ClusterSpec(num_blocks=1024, num_routers=2, sync_delay_s=sync_delay_s, shared_bookings=False)
+    assert routed(unrelated_prompts(2, apart_s=0.5), 2, spec)[0] == replicas
