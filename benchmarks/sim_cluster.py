@@ -57,6 +57,8 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if max(args.routers) > 1 and not set(args.policies) <= set(CORE_POLICIES):
         parser.error(f"several routers need --policies among {', '.join(CORE_POLICIES)}")
+    if 1 not in args.routers:
+        parser.error("--routers needs 1 too: the table compares every router count with one router")
     return args
 
 
