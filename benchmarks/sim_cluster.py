@@ -6,11 +6,13 @@ baselines' sources and defaults, and what is modelled.
 
     python benchmarks/sim_cluster.py                       # every workload, N = 4 8 16, load 0.9
     python benchmarks/sim_cluster.py --workloads agents --replicas 8 --policies prefix sglang
+    python benchmarks/sim_cluster.py --policies prefix --routers 1 4 --bookings shared unshared  # K routers
 """
 import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
@@ -18,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 from router import PolicyConfig  # noqa: E402
 
 from benchmarks.sim.experiment import ClusterSpec, capacity, run  # noqa: E402
-from benchmarks.sim.report import plot, table, verdict  # noqa: E402
-from benchmarks.sim.routers import POLICIES  # noqa: E402
+from benchmarks.sim.report import RunMetrics, plot, routers_table, routers_verdict, table, verdict  # noqa: E402
+from benchmarks.sim.routers import CORE_POLICIES, POLICIES  # noqa: E402
 from benchmarks.sim.step_model import CALIBRATION, StepModel, cpu_name  # noqa: E402
 from benchmarks.sim.workloads import WORKLOADS  # noqa: E402
 
@@ -41,29 +43,56 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--num-blocks", type=int, default=ClusterSpec.num_blocks, help="KV blocks per replica")
     parser.add_argument("--publish-lag", type=float, default=ClusterSpec.publish_lag_s)
     parser.add_argument("--step-model", default="calibrated", choices=["calibrated", "gpu-assumed"])
+    parser.add_argument("--routers", nargs="+", type=int, default=[1],
+                        help="how many routers (ingress replicas) route, each with its own view; 1: today's actor")
+    parser.add_argument("--sync-delay-ms", type=float, default=1000 * ClusterSpec.sync_delay_s,
+                        help="with several routers: how much later each learns of publications and bookings")
+    parser.add_argument("--bookings", nargs="+", default=["shared"], choices=["shared", "unshared"],
+                        help="with several routers: whether each router's bookings reach the others")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--policy-config", type=PolicyConfig.model_validate_json, default=PolicyConfig(),
                         help='PolicyConfig overrides as JSON, e.g. \'{"request_cost_tokens": 64}\'')
     parser.add_argument("--markdown", help="write the tables here too")
     parser.add_argument("--plot", help="save the plot here (needs matplotlib)")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if max(args.routers) > 1 and not set(args.policies) <= set(CORE_POLICIES):
+        parser.error(f"several routers need --policies among {', '.join(CORE_POLICIES)}")
+    if 1 not in args.routers:
+        parser.error("--routers needs 1 too: the table compares every router count with one router")
+    return args
+
+
+def router_specs(args: argparse.Namespace, spec: ClusterSpec) -> list[ClusterSpec]:
+    """A spec a router count and bookings; a lone router has no one to share bookings with."""
+    return [replace(spec, num_routers=num_routers, shared_bookings=bookings == "shared")
+            for num_routers in args.routers for bookings in (args.bookings if num_routers > 1 else args.bookings[:1])]
+
+
+def _summary(run: RunMetrics) -> str:
+    return (f"{run.workload:>14} N={run.num_replicas:<3} {run.policy:>15} K={run.num_routers} {run.bookings:>8}  "
+            f"hit {run.hit_rate:6.1%}  TTFT p50 {run.ttft_p50:7.2f} p99 {run.ttft_p99:7.2f}  "
+            f"load {run.load_max_over_mean:4.2f}  preempt {run.preemptions}")
 
 
 def main() -> None:
     args = parse_args()
-    spec = ClusterSpec(num_blocks=args.num_blocks, publish_lag_s=args.publish_lag)
+    spec = ClusterSpec(num_blocks=args.num_blocks, publish_lag_s=args.publish_lag,
+                       sync_delay_s=args.sync_delay_ms / 1000)
     step_model = StepModel.load(args.step_model)
     runs, capacities, started = [], {}, time.perf_counter()
     for workload in args.workloads:
         capacities[workload] = capacity(workload, step_model, spec, args.seed)
         for num_replicas in args.replicas:
-            results = run(workload, num_replicas, args.policies, args.load, args.requests_per_replica,
-                          capacities[workload], step_model, spec, args.seed, args.policy_config)
-            for result in results:
-                print(f"{workload:>14} N={num_replicas:<3} {result.policy:>15}  hit {result.hit_rate:6.1%}  "
-                      f"TTFT p50 {result.ttft_p50:7.2f} p99 {result.ttft_p99:7.2f}  "
-                      f"load {result.load_max_over_mean:4.2f}  preempt {result.preemptions}", flush=True)
-            runs += results
+            for routed in router_specs(args, spec):
+                results = run(workload, num_replicas, args.policies, args.load, args.requests_per_replica,
+                              capacities[workload], step_model, routed, args.seed, args.policy_config)
+                for result in results:
+                    print(_summary(result), flush=True)
+                runs += results
+    tables = [table(runs), "", *verdict(runs)] if args.routers == [1] else [
+        f"Routers {args.routers}: turns dealt to them in turn; with several, each learns of publications and "
+        f"(bookings {' / '.join(args.bookings)}) of the others' bookings {args.sync_delay_ms:g} ms later; "
+        "a lone router is fed directly.", "", routers_table(runs), "", *routers_verdict(runs)]
     text = "\n".join([
         "# Cluster simulator (benchmarks/sim_cluster.py)", "",
         "```", "python benchmarks/sim_cluster.py " + " ".join(sys.argv[1:]), "```", "",
@@ -73,7 +102,7 @@ def main() -> None:
         f"{args.requests_per_replica} requests per replica; seed {args.seed}.",
         "Capacity (requests/s per replica, saturated): " + ", ".join(
             f"{name} {value:.3f}" for name, value in capacities.items()) + ".", "",
-        table(runs), "", *verdict(runs)])
+        *tables])
     print(text)
     if args.markdown:
         Path(args.markdown).write_text(text + "\n")

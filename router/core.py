@@ -165,6 +165,28 @@ class Router:
         """
         if not candidates:
             raise ValueError("no candidate replicas to route to")
+        request, now = self._arrive(request_id, block_hashes, num_prompt_tokens, session_id)
+        matched = self.index.match(block_hashes)
+        decision = self._policy.choose(request, [
+            self._candidate(replica_id, matched.get(replica_id, 0), now) for replica_id in candidates])
+        self._book(request_id, decision, request, block_hashes, now, session_id)
+        self._decisions[decision.outcome] += 1
+        return decision
+
+    def book(self, request_id: str, block_hashes: Sequence[BlockHash], replica_id: str, *,
+             num_prompt_tokens: int | None = None, session_id: str | None = None) -> None:
+        """Book a request another router routed to replica_id as if choose() had picked it there
+        (matched against this router's index), so that it counts before the replica reports it."""
+        if replica_id in self._removed:
+            return
+        request, now = self._arrive(request_id, block_hashes, num_prompt_tokens, session_id)
+        decision = RoutingDecision(replica_id, self.index.match(block_hashes).get(replica_id, 0), "booked")
+        self._book(request_id, decision, request, block_hashes, now, session_id)
+
+    def _arrive(self, request_id: str, block_hashes: Sequence[BlockHash], num_prompt_tokens: int | None,
+                session_id: str | None) -> tuple[RequestShape, float]:
+        """A request is about to be booked: its shape, and the time, once an earlier booking of it is
+        released and its session counts it as arrived."""
         min_prompt_tokens = max(len(block_hashes) * self.block_size, 1)
         if num_prompt_tokens is None:
             num_prompt_tokens = min_prompt_tokens
@@ -176,13 +198,7 @@ class Router:
         previous = self._bookings.get(request_id)
         self.release(request_id)
         session_turn = self._session_turn(previous, session_id)
-        request = RequestShape(len(block_hashes), num_prompt_tokens, self.block_size, session_turn)
-        matched = self.index.match(block_hashes)
-        decision = self._policy.choose(request, [
-            self._candidate(replica_id, matched.get(replica_id, 0), now) for replica_id in candidates])
-        self._book(request_id, decision, request, block_hashes, now, session_id)
-        self._decisions[decision.outcome] += 1
-        return decision
+        return RequestShape(len(block_hashes), num_prompt_tokens, self.block_size, session_turn), now
 
     def routed(self, request_id: str, replica_id: str) -> None:
         """The request went to replica_id after all (Serve's second choice): move its booking there."""

@@ -3,16 +3,22 @@
 Events, in simulated seconds: a turn arrives (routed at once and queued on its replica); a
 replica's step ends (tokens sampled, finished turns schedule their program's next turn after its
 gap, the replica publishes); a publication reaches the router publish_lag_s later.
+
+K routers stand for K ingress replicas, each routing with its own view: turns are dealt to them
+in turn, as a load balancer in front of them would. A lone router is today's router actor, fed
+directly; with several, everything a router learns from elsewhere takes sync_delay_s more: every
+publication reaches each of them publish_lag_s + sync_delay_s after its step, and with shared
+bookings a router's booking reaches the others sync_delay_s after it routed.
 """
 import heapq
 import itertools
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from replica.kv_cache import hash_token_blocks
 from replica.scheduler import SchedulerOutput
 
-from .replica import Publication, SimReplica
+from .replica import SimReplica
 from .workloads import Program
 
 
@@ -40,14 +46,18 @@ class SimClock:
 
 
 class Simulation:
-    def __init__(self, programs: list[Program], replicas: list[SimReplica], make_router: Callable,
-                 block_size: int, clock: SimClock, publish_lag_s: float = 0.01):
+    def __init__(self, programs: list[Program], replicas: list[SimReplica], routers: Sequence, block_size: int,
+                 clock: SimClock, publish_lag_s: float = 0.01, sync_delay_s: float = 0.0,
+                 shared_bookings: bool = True):
         self.clock = clock
         self.programs = {program.session_id: program for program in programs}
         self.replicas = {replica.replica_id: replica for replica in replicas}
-        self.router = make_router(list(self.replicas), clock)
+        self.routers = list(routers)
         self.block_size = block_size
-        self.publish_lag_s = publish_lag_s
+        self.publication_lag_s = publish_lag_s + (sync_delay_s if len(self.routers) > 1 else 0.0)
+        self.sync_delay_s = sync_delay_s
+        self.shared_bookings = shared_bookings
+        self._next_router = itertools.cycle(self.routers)
         self.records: dict[str, RequestRecord] = {}
         self._events: list = []
         self._order = itertools.count()
@@ -71,7 +81,13 @@ class Simulation:
         turn = program.turns[turn_index]
         request_id = f"{program.session_id}/{turn_index}"
         block_hashes = hash_token_blocks(turn.prompt, self.block_size)
-        replica_id = self.router.choose(request_id, block_hashes, len(turn.prompt), program.session_id)
+        router = next(self._next_router)
+        replica_id = router.choose(request_id, block_hashes, len(turn.prompt), program.session_id)
+        if self.shared_bookings:
+            for other in self.routers:
+                if other is not router:
+                    self._at(self.now + self.sync_delay_s, other.book, request_id, block_hashes, replica_id,
+                             len(turn.prompt), program.session_id)
         self.records[request_id] = RequestRecord(request_id, program.session_id, replica_id, self.now,
                                                  len(turn.prompt))
         replica = self.replicas[replica_id]
@@ -99,19 +115,19 @@ class Simulation:
             if result.finished:
                 self._finish(replica, record)
         publication = replica.publish()
-        self._at(self.now + self.publish_lag_s, self._deliver, replica.replica_id, publication)
+        for finished in publication.finished:
+            self.records[finished.request_id].num_cached_tokens = finished.num_cached_tokens or 0
+        for router in self.routers:
+            self._at(self.now + self.publication_lag_s, router.deliver, replica.replica_id, publication)
         self._start_step(replica)
 
     def _finish(self, replica: SimReplica, record: RequestRecord) -> None:
         record.finished_s = self.now
-        self.router.finished(replica.replica_id, record.request_id)
+        for router in self.routers:
+            router.finished(replica.replica_id, record.request_id)
         session_id, turn_index = record.request_id.rsplit("/", 1)
         program = self.programs[session_id]
         next_index = int(turn_index) + 1
         if next_index < len(program.turns):
             self._at(self.now + program.turns[next_index].gap_s, self._arrive, program, next_index)
 
-    def _deliver(self, replica_id: str, publication: Publication) -> None:
-        for finished in publication.finished:
-            self.records[finished.request_id].num_cached_tokens = finished.num_cached_tokens or 0
-        self.router.deliver(replica_id, publication)

@@ -18,6 +18,9 @@ class ClusterSpec:
     block_size: int = 16
     publish_lag_s: float = 0.01  # a publication reaches the router this long after its step
     queue_policy: str = "fcfs"   # the replicas' SchedulerConfig.policy
+    num_routers: int = 1         # ingress replicas routing with views of their own
+    sync_delay_s: float = 0.02   # with several routers: the extra delay before a router learns anything
+    shared_bookings: bool = True  # each router's bookings reach the others
 
 
 def simulate(programs: list[Program], num_replicas: int, policy: str, step_model: StepModel,
@@ -26,8 +29,11 @@ def simulate(programs: list[Program], num_replicas: int, policy: str, step_model
     clock = SimClock()
     replicas = [SimReplica(f"r{i}", spec.num_blocks, spec.block_size, step_model, clock, spec.queue_policy)
                 for i in range(num_replicas)]
-    simulation = Simulation(programs, replicas, lambda ids, clock: make_router(
-        policy, ids, spec.block_size, clock, seed, config), spec.block_size, clock, spec.publish_lag_s)
+    replica_ids = [replica.replica_id for replica in replicas]
+    routers = [make_router(policy, replica_ids, spec.block_size, clock, seed + k, config)
+               for k in range(spec.num_routers)]
+    simulation = Simulation(programs, replicas, routers, spec.block_size, clock, spec.publish_lag_s,
+                            spec.sync_delay_s, spec.shared_bookings)
     return simulation.run(), replicas
 
 
@@ -53,5 +59,6 @@ def run(workload: str, num_replicas: int, policies: list[str], load: float, requ
         if reference is None:
             reference = pooled_lru(programs, records, num_replicas * spec.num_blocks, spec.block_size, step_model)
         preemptions = sum(replica.scheduler.num_preemptions for replica in replicas)
-        results.append(measure(workload, num_replicas, policy, records, preemptions, reference))
+        results.append(measure(workload, num_replicas, policy, records, preemptions, reference,
+                               spec.num_routers, spec.shared_bookings))
     return results

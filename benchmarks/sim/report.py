@@ -25,10 +25,20 @@ class RunMetrics:
     pooled_lru_hit_rate: float  # the reference: one LRU cache of all replicas' blocks
     ttft_floor_p50: float       # each request alone on an idle replica holding that cache
     ttft_floor_p99: float
+    num_routers: int = 1
+    shared_bookings: bool = True
+
+    @property
+    def bookings(self) -> str:
+        """How the run's routers learnt of each other's bookings."""
+        if self.num_routers == 1:
+            return "-"
+        return "shared" if self.shared_bookings else "unshared"
 
 
 def measure(workload: str, num_replicas: int, policy: str, records: list[RequestRecord],
-            preemptions: int, reference: PooledReference) -> RunMetrics:
+            preemptions: int, reference: PooledReference, num_routers: int = 1,
+            shared_bookings: bool = True) -> RunMetrics:
     ttft = [r.first_token_s - r.arrival_s for r in records]
     queued = [r.scheduled_s - r.arrival_s for r in records]
     per_replica = Counter(r.replica_id for r in records)
@@ -38,7 +48,7 @@ def measure(workload: str, num_replicas: int, policy: str, records: list[Request
                       percentile(ttft, 50), percentile(ttft, 90), percentile(ttft, 99),
                       percentile(queued, 50), percentile(queued, 99), max(per_replica.values()) / mean_load,
                       preemptions, reference.hit_rate, percentile(reference.ttft_floor, 50),
-                      percentile(reference.ttft_floor, 99))
+                      percentile(reference.ttft_floor, 99), num_routers, shared_bookings)
 
 
 HEADER = ("| workload | N | policy | hit rate | pooled LRU | TTFT p50 (s) | p90 | p99 | queued p50 (s) | p99 | "
@@ -87,6 +97,43 @@ def verdict(runs: list[RunMetrics]) -> list[str]:
                      f"{'≤ 0.8x' if strict else '≤ 1x'} | {'yes' if holds else '**no**'} |")
     return ["| workload | N | prefix hit vs best baseline | TTFT p50 / best | p99 / best | floor p50 / best | "
             "floor p99 / best | needed | holds |", "|---|---|---|---|---|---|---|---|---|"] + lines
+
+
+def routers_table(runs: list[RunMetrics]) -> str:
+    """A row a run, each against the one-router run of its (workload, N, policy)."""
+    lines = ["| workload | N | policy | routers | bookings | hit rate | vs 1 router (points) | TTFT p50 (s) | "
+             "/ 1 router | p99 (s) | / 1 router | load max/mean | preemptions |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for run in runs:
+        alone = _one_router(runs, run)
+        cells = [str(run.num_routers), run.bookings, f"{run.hit_rate:.1%}",
+                 f"{100 * (run.hit_rate - alone.hit_rate):+.1f}", f"{run.ttft_p50:.2f}",
+                 f"{run.ttft_p50 / alone.ttft_p50:.2f}x", f"{run.ttft_p99:.2f}",
+                 f"{run.ttft_p99 / alone.ttft_p99:.2f}x", f"{run.load_max_over_mean:.2f}", str(run.preemptions)]
+        lines.append(f"| {run.workload} | {run.num_replicas} | {run.policy} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def routers_verdict(runs: list[RunMetrics], num_routers: int = 4) -> list[str]:
+    """Issue 29's Done-when, per (workload, N, policy, bookings): num_routers routers within 1 point
+    of one router's hit rate and within 1.1x of its TTFT p50 and p99."""
+    lines = [f"| workload | N | policy | bookings | hit rate, {num_routers} routers vs 1 | TTFT p50 / 1 router | "
+             "p99 / 1 router | holds |", "|---|---|---|---|---|---|---|---|"]
+    for run in runs:
+        if run.num_routers != num_routers:
+            continue
+        alone = _one_router(runs, run)
+        holds = (run.hit_rate >= alone.hit_rate - 0.01 and run.ttft_p50 <= 1.1 * alone.ttft_p50
+                 and run.ttft_p99 <= 1.1 * alone.ttft_p99)
+        lines.append(f"| {run.workload} | {run.num_replicas} | {run.policy} | {run.bookings} | "
+                     f"{run.hit_rate:.1%} vs {alone.hit_rate:.1%} | {run.ttft_p50 / alone.ttft_p50:.2f}x | "
+                     f"{run.ttft_p99 / alone.ttft_p99:.2f}x | {'yes' if holds else '**no**'} |")
+    return lines
+
+
+def _one_router(runs: list[RunMetrics], run: RunMetrics) -> RunMetrics:
+    return next(r for r in runs if (r.workload, r.num_replicas, r.policy, r.num_routers) ==
+                (run.workload, run.num_replicas, run.policy, 1))
 
 
 def plot(runs: list[RunMetrics], path: str) -> None:

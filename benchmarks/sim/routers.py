@@ -22,6 +22,12 @@ class CoreRouter:
         return self.router.choose(request_id, block_hashes, self.replica_ids, num_prompt_tokens=num_prompt_tokens,
                                   session_id=session_id).replica_id
 
+    def book(self, request_id: str, block_hashes: Sequence[BlockHash], replica_id: str, num_prompt_tokens: int,
+             session_id: str) -> None:
+        """Another router routed the request to replica_id."""
+        self.router.book(request_id, block_hashes, replica_id, num_prompt_tokens=num_prompt_tokens,
+                         session_id=session_id)
+
     def deliver(self, replica_id: str, publication: Publication) -> None:
         # Delivery is in order and lossless here, so a refused batch is a bug, not a resync.
         if not self.router.publish(replica_id, publication.seq, publication.events, publication.stats,
@@ -32,13 +38,14 @@ class CoreRouter:
         """The router learns of finishes from publications."""
 
 
-POLICIES = ("prefix", "round_robin", "least_loaded", "consistent_hash", "sglang", "ray")
+CORE_POLICIES = ("prefix", "round_robin", "least_loaded")  # router.Router's: the ones that run as K routers
+POLICIES = (*CORE_POLICIES, "consistent_hash", "sglang", "ray")
 
 
 def make_router(policy: str, replica_ids: Sequence[str], block_size: int, clock: Callable[[], float],
                 seed: int, config: PolicyConfig | None = None):
     match policy:
-        case "prefix" | "round_robin" | "least_loaded":
+        case _ if policy in CORE_POLICIES:
             config = config or PolicyConfig()
             return CoreRouter(config.model_copy(update={"policy": policy}), replica_ids, block_size, clock, seed)
         case "consistent_hash":

@@ -19,8 +19,8 @@ def simulate(policy: str, workload: str = "multi-turn", num_replicas: int = 3, q
     assign_starts(programs, requests_per_s=6.0, seed=1)
     clock = SimClock()
     replicas = [SimReplica(f"r{i}", 1024, BLOCK_SIZE, STEP_MODEL, clock, queue_policy) for i in range(num_replicas)]
-    simulation = Simulation(programs, replicas, lambda ids, clock: make_router(policy, ids, BLOCK_SIZE, clock, 0),
-                            BLOCK_SIZE, clock)
+    router = make_router(policy, [replica.replica_id for replica in replicas], BLOCK_SIZE, clock, 0)
+    simulation = Simulation(programs, replicas, [router], BLOCK_SIZE, clock)
     return simulation, simulation.run(), programs, replicas
 
 
@@ -36,7 +36,7 @@ def test_every_turn_finishes_and_no_block_leaks(policy, queue_policy):
 
 def test_router_index_mirrors_every_replica_cache():
     simulation, records, _, replicas = simulate("prefix")
-    index = simulation.router.router.index
+    index = simulation.routers[0].router.index
     assert sum(record.num_cached_tokens for record in records) > 0
     assert sum(len(replica.cached_block_hashes()) for replica in replicas) > 0
     for replica in replicas:

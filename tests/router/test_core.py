@@ -94,6 +94,20 @@ def test_a_burst_follows_the_first_request_before_the_replica_reports():
     assert (first, second) == (RoutingDecision("a", 0, "no_hit"), RoutingDecision("a", 40, "prefix_hit"))
 
 
+def test_another_routers_booking_counts_as_if_this_router_had_routed_it():
+    router = make_router(request_cost_tokens=32)
+    router.book("r1", chain(*range(40)), "a")
+    assert (router.num_in_flight("a"), router.index.match(chain(*range(40)))) == (1, {"a": 40})
+    # the burst follows it as it follows this router's own first request
+    assert router.choose("r2", chain(*range(41)), ["a", "b"]) == RoutingDecision("a", 40, "prefix_hit")
+    assert router.snapshot().decisions == {"prefix_hit": 1}  # a booking is no decision of this router's
+    publish(router, "a", 1, finished=[FinishedRequest("r1", 0), FinishedRequest("r2", 0)])
+    assert (router.num_in_flight("a"), router.index.match(chain(*range(40)))) == (0, {})
+    router.remove_replica("gone")
+    router.book("r3", chain(1), "gone")
+    assert (router.num_in_flight("gone"), router.index.match(chain(1))) == (0, {})
+
+
 def test_routed_prefill_counts_as_queued_until_the_replica_reports_it():
     router = make_router(request_cost_tokens=0, step_overhead_tokens=0)
     publish(router, "a", 1, [stored(chain(1, 2))])
