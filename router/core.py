@@ -208,17 +208,9 @@ class Router:
         self.release(request_id)
         request = RequestShape(len(booking.block_hashes), booking.num_prompt_tokens, self.block_size,
                                booking.session_turn)
-        self._book_on(replica_id, request_id, request, booking.block_hashes, booking.routed_at, booking.session_id)
-
-    def book(self, request_id: str, replica_id: str, block_hashes: Sequence[BlockHash], *,
-             num_prompt_tokens: int, session_id: str | None = None) -> None:
-        """Another router sent this request to replica_id: count it there as if it had been routed here,
-        until the replica reports it finished (not a decision of this router's)."""
-        previous = self._bookings.get(request_id)
-        self.release(request_id)
-        request = RequestShape(len(block_hashes), num_prompt_tokens, self.block_size,
-                               self._session_turn(previous, session_id))
-        self._book_on(replica_id, request_id, request, block_hashes, self._clock(), session_id)
+        matched_blocks = self.index.match(booking.block_hashes).get(replica_id, 0)
+        decision = RoutingDecision(replica_id, matched_blocks, "fallback")
+        self._book(request_id, decision, request, booking.block_hashes, booking.routed_at, booking.session_id)
 
     def replica_states(self) -> list[ReplicaState]:
         """What each reporting replica last told: enough for another Router to resync every one of them."""
@@ -292,12 +284,6 @@ class Router:
         if previous is not None:
             return previous.session_turn  # the same turn, routed again
         return 1 + self._sessions.arrive(session_id) if session_id is not None else 0
-
-    def _book_on(self, replica_id: str, request_id: str, request: RequestShape, block_hashes: Sequence[BlockHash],
-                 routed_at: float, session_id: str | None) -> None:
-        matched_blocks = self.index.match(block_hashes).get(replica_id, 0)
-        decision = RoutingDecision(replica_id, matched_blocks, "fallback")
-        self._book(request_id, decision, request, block_hashes, routed_at, session_id)
 
     def _book(self, request_id: str, decision: RoutingDecision, request: RequestShape,
               block_hashes: Sequence[BlockHash], now: float, session_id: str | None) -> None:

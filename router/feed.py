@@ -131,5 +131,5 @@ def replay(router: Router, update: FeedUpdate, follower: str) -> None:
             case Removal():
                 router.remove_replica(entry.replica_id)
             case Booked(follower=origin, booking=booking) if origin != follower:
-                router.book(booking.request_id, booking.replica_id, booking.block_hashes,
+                router.book(booking.request_id, booking.block_hashes, booking.replica_id,
                             num_prompt_tokens=booking.num_prompt_tokens, session_id=booking.session_id)
