@@ -9,7 +9,7 @@ follower's CPU seconds per second of engine traffic (the fraction of a core it c
 owner's applying the same batches to its own Router (what the one router actor did alone before) in
 the same run.
 
-    python benchmarks/bench_feed.py [--engines 16 64] [--steps-per-s 50] [--sync-interval-s 0.02]
+    python benchmarks/bench_feed.py [--engines 16 64] [--steps-per-s 50] [--sync-interval-s 0.01]
 """
 import argparse
 import pickle
@@ -89,7 +89,7 @@ def main() -> None:
     parser.add_argument("--engines", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--steps-per-s", type=int, default=50)
     parser.add_argument("--seconds", type=float, default=4.0, help="engine traffic generated per run")
-    parser.add_argument("--sync-interval-s", type=float, default=0.02)
+    parser.add_argument("--sync-interval-s", type=float, default=0.01)
     parser.add_argument("--stores-per-step", type=int, default=2)
     args = parser.parse_args()
     print("| engines | batches/s | follower (cores) | owner: record + apply + answer (cores) | "
