@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="scale the engine replicas between MIN and MAX on preemptions (starts at --replicas)")
     cluster.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs reserved per engine replica (default: %(default)s)")
     cluster.add_argument("--replica-gpus", type=float, default=0.0, help="GPUs reserved per engine replica (default: %(default)s)")
-    cluster.add_argument("--router-sync-interval-s", type=float, default=0.01,
+    cluster.add_argument("--router-sync-interval-s", type=float, default=0.02,
                          help="seconds between an ingress replica's syncs of its routing view (default: %(default)s)")
     cluster.add_argument("--routing-policy", choices=["prefix", "round_robin", "least_loaded"], default="prefix",
                          help="how requests are spread over the replicas (default: %(default)s)")

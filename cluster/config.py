@@ -23,7 +23,7 @@ class ClusterConfig(pydantic.BaseModel):
     replica_num_cpus: float = pydantic.Field(1.0, ge=0)
     replica_num_gpus: float = pydantic.Field(0.0, ge=0)
     # How often each ingress replica syncs its routing view with the router feed (engines' reports, others' bookings).
-    router_sync_interval_s: float = pydantic.Field(0.01, gt=0)
+    router_sync_interval_s: float = pydantic.Field(0.02, gt=0)
     # Requests an engine replica takes beyond its running set (max_num_seqs); more wait in the ingress.
     max_waiting_requests: int = pydantic.Field(256, ge=0)
     # Requests the ingress holds while no engine replica has room; more get 429 with Retry-After.

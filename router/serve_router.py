@@ -26,7 +26,7 @@ class Routable(Protocol):
 
 
 class PrefixAwareRequestRouter(RequestRouter):
-    def initialize_state(self, policy: dict[str, Any] | None = None, block_size: int = 16, sync_interval_s: float = 0.01,
+    def initialize_state(self, policy: dict[str, Any] | None = None, block_size: int = 16, sync_interval_s: float = 0.02,
                          feed: RouterClient | None = None) -> None:
         """Serve passes RequestRouterConfig.request_router_kwargs here; `feed` is for tests."""
         config = PolicyConfig.model_validate(policy or {})
