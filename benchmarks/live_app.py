@@ -40,14 +40,18 @@ def local_serve() -> Iterator[Callable[..., str]]:
         ray.shutdown()
 
 
+def replica_num_cpus(num_replicas: int) -> float:
+    """Each of num_replicas replicas' share of the machine's cores, at most one."""
+    return min(1.0, (os.cpu_count() or 1) / num_replicas)
+
+
 def app_of(engine: dict, num_replicas: int, **cluster_config):
     """prefixserve's Serve application, its engine replicas sharing the machine's cores."""
     from cluster.app import build
     from cluster.config import ClusterConfig
 
-    replica_num_cpus = min(1.0, (os.cpu_count() or 1) / num_replicas)
-    return build(ClusterConfig(engine=engine, num_replicas=num_replicas, replica_num_cpus=replica_num_cpus,
-                               **cluster_config))
+    return build(ClusterConfig(engine=engine, num_replicas=num_replicas,
+                               replica_num_cpus=replica_num_cpus(num_replicas), **cluster_config))
 
 
 @contextlib.contextmanager
