@@ -16,6 +16,7 @@ answered in it.
 """
 import argparse
 import asyncio
+import collections
 import itertools
 import json
 import os
@@ -63,7 +64,11 @@ class Load:
 class Result:
     app: str
     load: Load
-    cpu_ms_per_request: float
+    cpu_ms_by_process: dict[str, float]  # CPU ms per request by kind of process
+
+    @property
+    def cpu_ms_per_request(self) -> float:
+        return sum(self.cpu_ms_by_process.values())
 
 
 # ---- wrk
@@ -170,9 +175,27 @@ def cpu_seconds(processes: list) -> dict[int, float]:
     return seconds
 
 
-def cpu_ms_per_request(before: dict[int, float], after: dict[int, float], requests: int) -> float:
-    """A process that died in the window is left out: its last seconds cannot be read."""
-    return sum(after[pid] - before[pid] for pid in after.keys() & before.keys()) * 1e3 / requests
+def process_kind(process) -> str:
+    """Ray titles its workers by what they run and the method running now
+    (ray::ServeReplica:prefixserve:engine.handle_request): the kind leaves the method out. Its other
+    processes go by their executable's name (raylet, gcs_server, python)."""
+    import psutil
+
+    try:
+        title = process.cmdline()[0]
+        return title.removeprefix("ray::").split(".")[0] if title.startswith("ray::") else process.name()
+    except (psutil.NoSuchProcess, IndexError):
+        return "gone"
+
+
+def cpu_ms_by_kind(before: dict[int, float], after: dict[int, float], kinds: dict[int, str],
+                   requests: int) -> dict[str, float]:
+    """CPU ms per request of each kind of process. A process that died in the window is left out: its
+    last seconds cannot be read."""
+    by_kind = collections.defaultdict(float)
+    for pid in after.keys() & before.keys():
+        by_kind[kinds[pid]] += (after[pid] - before[pid]) * 1e3 / requests
+    return dict(by_kind)
 
 
 # ---- the run
@@ -183,10 +206,11 @@ def measure(name: str, base_url: str, load_command, args: argparse.Namespace) ->
     check_answers(base_url)
     subprocess.run(load_command(base_url, args.warmup_s), check=True, capture_output=True)
     processes = psutil.Process().children(recursive=True)  # taken before the client starts: it is not counted
+    kinds = {process.pid: process_kind(process) for process in processes}
     before = cpu_seconds(processes)
     output = subprocess.run(load_command(base_url, args.duration_s), check=True, capture_output=True, text=True).stdout
     load = parse_wrk(output) if args.client == "wrk" else Load(**json.loads(output))
-    result = Result(name, load, cpu_ms_per_request(before, cpu_seconds(processes), load.requests))
+    result = Result(name, load, cpu_ms_by_kind(before, cpu_seconds(processes), kinds, load.requests))
     print(f"{name}: {load.requests_per_s:.0f} requests/s, {result.cpu_ms_per_request:.1f} CPU ms per request "
           f"over {len(processes)} processes", flush=True)
     return result
@@ -240,6 +264,17 @@ def table(results: list[Result]) -> str:
     return "\n".join(rows)
 
 
+def cpu_table(results: list[Result]) -> str:
+    """CPU ms per request by kind of process, the busiest kinds first."""
+    kinds = sorted({kind for result in results for kind in result.cpu_ms_by_process},
+                   key=lambda kind: -max(result.cpu_ms_by_process.get(kind, 0.0) for result in results))
+    rows = ["| CPU ms/request by process | " + " | ".join(result.app for result in results) + " |",
+            "|---" * (len(results) + 1) + "|"]
+    rows += [f"| {kind} | " + " | ".join(f"{result.cpu_ms_by_process.get(kind, 0.0):.2f}" for result in results) + " |"
+             for kind in kinds]
+    return "\n".join(rows)
+
+
 def verdict(results: list[Result], min_ratio: float = 0.8) -> list[str]:
     """Whether the done-when of issue 29 holds: every prefixserve row at least min_ratio x the bare
     app's requests/s, and each one with more ingress replicas at least as fast as the one before."""
@@ -278,6 +313,7 @@ def report(args: argparse.Namespace, results: list[Result]) -> str:
         f"replicas yielding one chunk). CPU ms per request: user + system time of every process under the driver "
         f"(Ray's and Serve's) during the measured window, over the requests answered in it.",
         table(results),
+        cpu_table(results),
         "\n".join(f"- {line}" for line in verdict(results))])
 
 

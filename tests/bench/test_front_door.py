@@ -37,14 +37,27 @@ def test_parse_wrk_without_errors_and_in_microseconds():
                                                p50_ms=0.9, p99_ms=2.5)
 
 
-def test_cpu_ms_per_request_leaves_out_processes_that_came_or_went():
-    before = {1: 10.0, 2: 4.5, 3: 7.0}
-    after = {1: 12.0, 2: 5.0, 4: 99.0}  # 3 died, 4 started: neither counts
-    assert bench.cpu_ms_per_request(before, after, requests=50) == 50.0  # 2.5 s over 50 requests
+def test_cpu_ms_per_request_by_kind_leaves_out_processes_that_came_or_went():
+    before = {1: 10.0, 2: 4.5, 3: 7.0, 5: 1.0}
+    after = {1: 12.0, 2: 5.0, 4: 99.0, 5: 1.5}  # 3 died, 4 started: neither counts
+    kinds = {1: "engine", 2: "ProxyActor", 3: "engine", 4: "raylet", 5: "engine"}
+    by_kind = bench.cpu_ms_by_kind(before, after, kinds, requests=50)
+    assert by_kind == {"engine": 50.0, "ProxyActor": 10.0}  # 2.5 s and 0.5 s over 50 requests
+    assert bench.Result("app", None, by_kind).cpu_ms_per_request == 60.0
 
 
-def result(app: str, requests: int) -> bench.Result:
-    return bench.Result(app, bench.Load(requests, 10.0, 0, 0, 0, 1.0, 2.0), cpu_ms_per_request=1.0)
+def result(app: str, requests: int, cpu_ms_by_process: dict[str, float] | None = None) -> bench.Result:
+    return bench.Result(app, bench.Load(requests, 10.0, 0, 0, 0, 1.0, 2.0), cpu_ms_by_process or {})
+
+
+def test_cpu_table_puts_the_busiest_kinds_first_with_a_column_per_app():
+    results = [result("bare", 1, {"proxy": 2.0, "ingress": 1.0}), result("one", 1, {"ingress": 3.0, "router": 0.5})]
+    assert bench.cpu_table(results) == "\n".join([
+        "| CPU ms/request by process | bare | one |",
+        "|---|---|---|",
+        "| ingress | 1.00 | 3.00 |",
+        "| proxy | 2.00 | 0.00 |",
+        "| router | 0.00 | 0.50 |"])
 
 
 def test_verdict_compares_every_served_row_with_bare_and_each_ingress_count_with_the_one_before():
