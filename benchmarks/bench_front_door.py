@@ -243,7 +243,8 @@ def run_all(args: argparse.Namespace, scratch: Path) -> list[Result]:
             return httpx_command(base_url, args, duration_s, next(seeds))
     with local_serve() as run:
         apps = [("bare Ray Serve", lambda: build_bare(args.replicas, replica_num_cpus(args.replicas)))]
-        apps += [(f"prefixserve, {n} ingress", lambda n=n: app_of(engine, args.replicas, ingress_replicas=n))
+        served = {"router_sync_interval_s": args.router_sync_interval_s} if args.router_sync_interval_s else {}
+        apps += [(f"prefixserve, {n} ingress", lambda n=n: app_of(engine, args.replicas, ingress_replicas=n, **served))
                  for n in args.ingress_replicas]
         return [measure(name, run(app()), load_command, args) for name, app in apps]
 
@@ -321,6 +322,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--replicas", type=int, default=2, help="engine replicas (bare app: chunk replicas)")
     parser.add_argument("--ingress-replicas", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--router-sync-interval-s", type=float, help="default: ClusterConfig's")
     parser.add_argument("--connections", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="wrk's threads")
     parser.add_argument("--duration-s", type=float, default=20.0)
