@@ -305,7 +305,8 @@ def machine() -> str:
 
 
 def report(args: argparse.Namespace, results: list[Result]) -> str:
-    client = ("wrk" if args.client == "wrk" else "an asyncio httpx client in its own process (wrk is not installed)")
+    client = "wrk" if args.client == "wrk" else "an asyncio httpx client in its own process" + (
+        "" if shutil.which("wrk") else " (wrk is not installed)")
     return "\n\n".join([
         f"```\nPYTHONPATH=. python benchmarks/bench_front_door.py {' '.join(sys.argv[1:])}\n```",
         f"Machine: {machine()}. Load client: {client}, {args.connections} connections, {args.warmup_s:g} s of warm-up "
