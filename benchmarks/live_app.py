@@ -16,32 +16,50 @@ WORDS = ("river stone light garden window paper silver engine market winter harb
 
 
 @contextlib.contextmanager
-def local_app() -> Iterator[Callable[..., str]]:
-    """Yields deploy(engine, num_replicas, **cluster_config) -> the app's base URL. Each deploy replaces
-    the app with fresh replicas (cold caches) that share the machine's cores."""
+def local_serve() -> Iterator[Callable[..., str]]:
+    """Yields run(app) -> the app's base URL. Each run replaces the app that runs with fresh replicas,
+    which share the machine's cores."""
     from cluster.local_ray import free_port, init_local_ray
 
     port = free_port()
-    num_cpus = os.cpu_count() or 1
-    init_local_ray(num_cpus, log_to_driver=False)  # before anything imports ray
+    init_local_ray(os.cpu_count() or 1, log_to_driver=False)  # before anything imports ray
     import ray
     from ray import serve
 
-    from cluster.app import APP_NAME, build
-    from cluster.config import ClusterConfig
+    from cluster.app import APP_NAME
 
-    def deploy(engine: dict, num_replicas: int, **cluster_config) -> str:
-        config = ClusterConfig(engine=engine, num_replicas=num_replicas,
-                               replica_num_cpus=min(1.0, num_cpus / num_replicas), **cluster_config)
-        serve.run(build(config), name=APP_NAME, route_prefix="/")
+    def run(app) -> str:
+        serve.run(app, name=APP_NAME, route_prefix="/")
         return f"http://127.0.0.1:{port}"
 
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        yield deploy
+        yield run
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def replica_num_cpus(num_replicas: int) -> float:
+    """Each of num_replicas replicas' share of the machine's cores, at most one."""
+    return min(1.0, (os.cpu_count() or 1) / num_replicas)
+
+
+def app_of(engine: dict, num_replicas: int, **cluster_config):
+    """prefixserve's Serve application, its engine replicas sharing the machine's cores."""
+    from cluster.app import build
+    from cluster.config import ClusterConfig
+
+    return build(ClusterConfig(engine=engine, num_replicas=num_replicas,
+                               replica_num_cpus=replica_num_cpus(num_replicas), **cluster_config))
+
+
+@contextlib.contextmanager
+def local_app() -> Iterator[Callable[..., str]]:
+    """Yields deploy(engine, num_replicas, **cluster_config) -> the app's base URL. Each deploy replaces
+    the app with fresh replicas (cold caches) that share the machine's cores."""
+    with local_serve() as run:
+        yield lambda engine, num_replicas, **cluster_config: run(app_of(engine, num_replicas, **cluster_config))
 
 
 def random_words(rng: random.Random, count: int) -> str:

@@ -1,0 +1,54 @@
+"""The bare Ray Serve app that bench_front_door.py measures prefixserve against: a FastAPI ingress reads
+the JSON body, streams one chunk from another deployment through a DeploymentHandle and answers a
+small OpenAI-like completion. No tokenizing, no routing policy, no engine."""
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from ray import serve
+from ray.serve import Application
+from ray.serve.handle import DeploymentHandle
+
+from cluster.app import INGRESS_MAX_ONGOING_REQUESTS
+
+CHUNK = "<7>"
+
+
+def bare_api(stream: Callable[[dict], AsyncIterator[str]]) -> FastAPI:
+    app = FastAPI(openapi_url=None)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> dict:
+        body = await request.json()
+        text = "".join([chunk async for chunk in stream(body)])
+        num_prompt_tokens = len(body["prompt"])
+        return {"id": "cmpl-bare", "object": "text_completion", "model": body["model"],
+                "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
+                "usage": {"prompt_tokens": num_prompt_tokens, "completion_tokens": 1,
+                          "total_tokens": num_prompt_tokens + 1}}
+
+    return app
+
+
+class OneChunk:
+    async def generate(self, body: dict) -> AsyncIterator[str]:
+        yield CHUNK
+
+
+@serve.ingress()
+class BareIngress:
+    def __init__(self, chunks: DeploymentHandle):
+        self._chunks = chunks.options(stream=True)
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return bare_api(self._chunks.generate.remote)
+
+
+def build_bare(num_replicas: int, replica_num_cpus: float) -> Application:
+    """One ingress (as prefixserve's default) in front of num_replicas chunk replicas. Both take as many
+    requests at once as prefixserve's ingress does: Serve's default (5) would queue them in the proxy."""
+    chunks = serve.deployment(OneChunk, name="chunks").options(
+        num_replicas=num_replicas, max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
+        ray_actor_options={"num_cpus": replica_num_cpus})
+    ingress = serve.deployment(BareIngress, name="ingress").options(
+        max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS, ray_actor_options={"num_cpus": 0})
+    return ingress.bind(chunks.bind())

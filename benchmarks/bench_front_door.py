@@ -1,0 +1,358 @@
+"""The front door: requests/s and CPU ms per request through the full HTTP path, prefixserve against a
+bare Ray Serve app (benchmarks/bare_serve.py), the same load client for both, in one run.
+
+Every request is POST /v1/completions with a fresh prompt of --prompt-tokens random token ids and
+max_tokens 1. prefixserve serves the tiny random model (benchmarks/random_model.py) on --replicas
+engine replicas, behind 1 and then 2 ingress replicas; the bare app has one ingress in front of
+--replicas replicas that yield one chunk each. Each app gets --warmup-s of load first, then
+--duration-s measured. The load client is `wrk` (a Lua script makes each request's prompt), or
+without wrk an asyncio httpx client in a process of its own. CPU ms per request: the CPU time (user +
+system, psutil) that every process under this one (Ray's GCS, raylet, Serve's controller, proxy and
+replicas; not this driver, not the load client) spent during the measured window, over the requests
+answered in it.
+
+    apt-get install -y wrk
+    PYTHONPATH=. python benchmarks/bench_front_door.py --markdown benchmarks/results/front-door.md
+"""
+import argparse
+import asyncio
+import collections
+import itertools
+import json
+import os
+import random
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+
+from benchmarks.random_model import SHAPES  # noqa: E402
+from benchmarks.timing import percentile  # noqa: E402
+
+MODEL_NAME = "tiny"
+FIRST_TOKEN_ID = 2  # after BOS (0) and EOS (1)
+ENGINE = {"served_model_name": MODEL_NAME, "num_kv_blocks": 512, "max_model_len": 1024}
+VOCAB_SIZE = SHAPES["tiny"]["vocab_size"]
+CLIENT_TIMEOUT_S = 10
+
+
+@dataclass
+class Load:
+    """What a load client saw: requests answered (any status) in duration_s, of which non_2xx were not
+    2xx; errors and timeouts got no answer."""
+    requests: int
+    duration_s: float
+    non_2xx: int
+    errors: int
+    timeouts: int
+    p50_ms: float
+    p99_ms: float
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.requests / self.duration_s
+
+
+@dataclass
+class Result:
+    app: str
+    load: Load
+    cpu_ms_by_process: dict[str, float]  # CPU ms per request by kind of process
+
+    @property
+    def cpu_ms_per_request(self) -> float:
+        return sum(self.cpu_ms_by_process.values())
+
+
+# ---- wrk
+
+WRK_SCRIPT = """\
+local threads = 0
+function setup(thread)
+  threads = threads + 1
+  thread:set("id", threads)
+end
+function init(args)
+  math.randomseed(tonumber(args[1]) * 1000 + id)  -- each run's and each thread's own prompts
+end
+function request()
+  local ids = {}
+  for i = 1, %(prompt_tokens)d do ids[i] = math.random(%(first_id)d, %(last_id)d) end
+  local body = '{"model":"%(model)s","max_tokens":1,"prompt":[' .. table.concat(ids, ",") .. ']}'
+  return wrk.format("POST", "/v1/completions", {["Content-Type"] = "application/json"}, body)
+end
+"""
+
+
+def wrk_script(prompt_tokens: int) -> str:
+    return WRK_SCRIPT % {"prompt_tokens": prompt_tokens, "first_id": FIRST_TOKEN_ID, "last_id": VOCAB_SIZE - 1,
+                         "model": MODEL_NAME}
+
+
+_WRK_UNITS_MS = {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 60e3}
+
+
+def _wrk_latency_ms(text: str, quantile: str) -> float:
+    value, unit = re.search(rf"^\s*{quantile}%\s+([\d.]+)(us|ms|s|m)\s*$", text, re.M).groups()
+    return float(value) * _WRK_UNITS_MS[unit]
+
+
+def parse_wrk(text: str) -> Load:
+    """wrk --latency's report."""
+    requests, duration, unit = re.search(r"(\d+) requests in ([\d.]+)(ms|s|m),", text).groups()
+    socket = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", text)
+    connect, read, write, timeouts = map(int, socket.groups()) if socket else (0, 0, 0, 0)
+    non_2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", text)
+    return Load(requests=int(requests), duration_s=float(duration) * _WRK_UNITS_MS[unit] / 1e3,
+                non_2xx=int(non_2xx.group(1)) if non_2xx else 0, errors=connect + read + write, timeouts=timeouts,
+                p50_ms=_wrk_latency_ms(text, "50"), p99_ms=_wrk_latency_ms(text, "99"))
+
+
+def wrk_command(base_url: str, script: Path, args: argparse.Namespace, duration_s: float, seed: int) -> list[str]:
+    return ["wrk", f"-t{args.threads}", f"-c{args.connections}", f"-d{duration_s:g}s", f"--timeout={CLIENT_TIMEOUT_S}s",
+            "--latency", "-s", str(script), base_url, "--", str(seed)]
+
+
+# ---- the httpx client, when there is no wrk
+
+async def httpx_load(base_url: str, connections: int, duration_s: float, prompt_tokens: int, seed: int) -> Load:
+    import httpx
+
+    rng = random.Random(seed)
+    latencies_ms, statuses, failures = [], [], {"errors": 0, "timeouts": 0}
+    started = time.monotonic()
+    deadline = started + duration_s
+
+    async def connection(client: httpx.AsyncClient) -> None:
+        while time.monotonic() < deadline:
+            body = {"model": MODEL_NAME, "max_tokens": 1,
+                    "prompt": [rng.randrange(FIRST_TOKEN_ID, VOCAB_SIZE) for _ in range(prompt_tokens)]}
+            sent = time.monotonic()
+            try:
+                response = await client.post("/v1/completions", json=body)
+            except httpx.TimeoutException:
+                failures["timeouts"] += 1
+                continue
+            except httpx.TransportError:
+                failures["errors"] += 1
+                continue
+            latencies_ms.append((time.monotonic() - sent) * 1e3)
+            statuses.append(response.status_code)
+
+    limits = httpx.Limits(max_connections=connections)
+    async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=CLIENT_TIMEOUT_S) as client:
+        await asyncio.gather(*(connection(client) for _ in range(connections)))
+    return Load(requests=len(statuses), duration_s=time.monotonic() - started,
+                non_2xx=sum(not 200 <= status < 300 for status in statuses), **failures,
+                p50_ms=statistics.median(latencies_ms), p99_ms=percentile(latencies_ms, 99))
+
+
+def httpx_command(base_url: str, args: argparse.Namespace, duration_s: float, seed: int) -> list[str]:
+    return [sys.executable, __file__, "--httpx-client", base_url, "--connections", str(args.connections),
+            "--duration-s", str(duration_s), "--prompt-tokens", str(args.prompt_tokens), "--seed", str(seed)]
+
+
+# ---- CPU accounting
+
+def cpu_seconds(processes: list) -> dict[int, float]:
+    """User + system CPU seconds of each process still alive, by pid."""
+    import psutil
+
+    seconds = {}
+    for process in processes:
+        try:
+            times = process.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        seconds[process.pid] = times.user + times.system
+    return seconds
+
+
+def process_kind(process) -> str:
+    """Ray titles its workers by what they run and the method running now
+    (ray::ServeReplica:prefixserve:engine.handle_request): the kind leaves the method out. Its other
+    processes go by their executable's name (raylet, gcs_server, python)."""
+    import psutil
+
+    try:
+        title = process.cmdline()[0]
+        return title.removeprefix("ray::").split(".")[0] if title.startswith("ray::") else process.name()
+    except (psutil.NoSuchProcess, IndexError):
+        return "gone"
+
+
+def cpu_ms_by_kind(before: dict[int, float], after: dict[int, float], kinds: dict[int, str],
+                   requests: int) -> dict[str, float]:
+    """CPU ms per request of each kind of process. A process that died in the window is left out: its
+    last seconds cannot be read."""
+    by_kind = collections.defaultdict(float)
+    for pid in after.keys() & before.keys():
+        by_kind[kinds[pid]] += (after[pid] - before[pid]) * 1e3 / requests
+    return dict(by_kind)
+
+
+# ---- the run
+
+def measure(name: str, base_url: str, load_command, args: argparse.Namespace) -> Result:
+    import psutil
+
+    check_answers(base_url)
+    subprocess.run(load_command(base_url, args.warmup_s), check=True, capture_output=True)
+    processes = psutil.Process().children(recursive=True)  # taken before the client starts: it is not counted
+    kinds = {process.pid: process_kind(process) for process in processes}
+    before = cpu_seconds(processes)
+    output = subprocess.run(load_command(base_url, args.duration_s), check=True, capture_output=True, text=True).stdout
+    load = parse_wrk(output) if args.client == "wrk" else Load(**json.loads(output))
+    result = Result(name, load, cpu_ms_by_kind(before, cpu_seconds(processes), kinds, load.requests))
+    print(f"{name}: {load.requests_per_s:.0f} requests/s, {result.cpu_ms_per_request:.1f} CPU ms per request "
+          f"over {len(processes)} processes", flush=True)
+    return result
+
+
+def check_answers(base_url: str) -> None:
+    import httpx
+
+    body = {"model": MODEL_NAME, "max_tokens": 1, "prompt": list(range(FIRST_TOKEN_ID, FIRST_TOKEN_ID + 32))}
+    response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=60)
+    if response.status_code != 200:
+        raise RuntimeError(f"{base_url} answered {response.status_code}: {response.text}")
+
+
+def run_all(args: argparse.Namespace, scratch: Path) -> list[Result]:
+    from benchmarks.bare_serve import build_bare
+    from benchmarks.live_app import app_of, local_serve, replica_num_cpus
+    from benchmarks.random_model import write_random_model
+
+    engine = ENGINE | {"model": str(write_random_model(scratch / "tiny", "tiny"))}
+    seeds = itertools.count()  # no run repeats another's prompts
+    if args.client == "wrk":
+        script = scratch / "fresh_prompts.lua"
+        script.write_text(wrk_script(args.prompt_tokens))
+
+        def load_command(base_url: str, duration_s: float) -> list[str]:
+            return wrk_command(base_url, script, args, duration_s, next(seeds))
+    else:
+        def load_command(base_url: str, duration_s: float) -> list[str]:
+            return httpx_command(base_url, args, duration_s, next(seeds))
+    with local_serve() as run:
+        apps = [("bare Ray Serve", lambda: build_bare(args.replicas, replica_num_cpus(args.replicas)))]
+        served = {"router_sync_interval_s": args.router_sync_interval_s} if args.router_sync_interval_s else {}
+        apps += [(f"prefixserve, {n} ingress", lambda n=n: app_of(engine, args.replicas, ingress_replicas=n, **served))
+                 for n in args.ingress_replicas]
+        return [measure(name, run(app()), load_command, args) for name, app in apps]
+
+
+# ---- the report
+
+def table(results: list[Result]) -> str:
+    bare = results[0]
+    rows = ["| app | requests/s | x bare | answered | non-2xx | errors | timeouts | p50 ms | p99 ms | CPU ms/request "
+            "| CPU x bare |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for result in results:
+        load = result.load
+        rows.append(f"| {result.app} | {load.requests_per_s:.0f} | {load.requests_per_s / bare.load.requests_per_s:.2f} "
+                    f"| {load.requests} | {load.non_2xx} | {load.errors} | {load.timeouts} | {load.p50_ms:.1f} "
+                    f"| {load.p99_ms:.1f} | {result.cpu_ms_per_request:.2f} "
+                    f"| {result.cpu_ms_per_request / bare.cpu_ms_per_request:.2f} |")
+    return "\n".join(rows)
+
+
+def cpu_table(results: list[Result]) -> str:
+    """CPU ms per request by kind of process, the busiest kinds first."""
+    kinds = sorted({kind for result in results for kind in result.cpu_ms_by_process},
+                   key=lambda kind: -max(result.cpu_ms_by_process.get(kind, 0.0) for result in results))
+    rows = ["| CPU ms/request by process | " + " | ".join(result.app for result in results) + " |",
+            "|---" * (len(results) + 1) + "|"]
+    rows += [f"| {kind} | " + " | ".join(f"{result.cpu_ms_by_process.get(kind, 0.0):.2f}" for result in results) + " |"
+             for kind in kinds]
+    return "\n".join(rows)
+
+
+def verdict(results: list[Result], min_ratio: float = 0.8) -> list[str]:
+    """Whether the done-when of issue 29 holds: every prefixserve row at least min_ratio x the bare
+    app's requests/s, and each one with more ingress replicas at least as fast as the one before."""
+    bare, served = results[0], results[1:]
+    lines = []
+    for result in served:
+        ratio = result.load.requests_per_s / bare.load.requests_per_s
+        lines.append(f"{result.app}: {ratio:.2f}x the bare app's requests/s, "
+                     f"{'meets' if ratio >= min_ratio else 'misses'} the {min_ratio}x bar")
+    for fewer, more in zip(served, served[1:]):
+        ratio = more.load.requests_per_s / fewer.load.requests_per_s
+        lines.append(f"{more.app}: {ratio:.2f}x {fewer.app}, {'as fast or faster' if ratio >= 1 else 'slower'}")
+    return lines
+
+
+def machine() -> str:
+    import torch
+
+    from replica.engine import resolve_dtype
+
+    cpuinfo = Path("/proc/cpuinfo").read_text()
+    model = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.M).group(1)
+    flags = set(re.search(r"^flags\s*:\s*(.+)$", cpuinfo, re.M).group(1).split())
+    vector = ", ".join(flag for flag in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if flag in flags)
+    dtype = str(resolve_dtype(None, torch.device("cpu"))).removeprefix("torch.")
+    return f"{os.cpu_count()} cores of {model} ({vector}); the engines' dtype {dtype}"
+
+
+def report(args: argparse.Namespace, results: list[Result]) -> str:
+    client = "wrk" if args.client == "wrk" else "an asyncio httpx client in its own process" + (
+        "" if shutil.which("wrk") else " (wrk is not installed)")
+    return "\n\n".join([
+        f"```\nPYTHONPATH=. python benchmarks/bench_front_door.py {' '.join(sys.argv[1:])}\n```",
+        f"Machine: {machine()}. Load client: {client}, {args.connections} connections, {args.warmup_s:g} s of warm-up "
+        f"then {args.duration_s:g} s measured per app, a fresh prompt of {args.prompt_tokens} random token ids per "
+        f"request, max_tokens 1. {args.replicas} engine replicas of the tiny random model (bare app: {args.replicas} "
+        f"replicas yielding one chunk). CPU ms per request: user + system time of every process under the driver "
+        f"(Ray's and Serve's) during the measured window, over the requests answered in it.",
+        table(results),
+        cpu_table(results),
+        "\n".join(f"- {line}" for line in verdict(results))])
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--replicas", type=int, default=2, help="engine replicas (bare app: chunk replicas)")
+    parser.add_argument("--ingress-replicas", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--router-sync-interval-s", type=float, help="default: ClusterConfig's")
+    parser.add_argument("--connections", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2, help="wrk's threads")
+    parser.add_argument("--duration-s", type=float, default=20.0)
+    parser.add_argument("--warmup-s", type=float, default=5.0)
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--client", choices=["wrk", "httpx"], default="wrk" if shutil.which("wrk") else "httpx")
+    parser.add_argument("--markdown", help="write the command, machine, table and verdict here")
+    parser.add_argument("--httpx-client", metavar="BASE_URL",
+                        help="internal: be the httpx load client against BASE_URL and print its result as JSON")
+    parser.add_argument("--seed", type=int, default=0, help="internal: the httpx client's prompts")
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
+    if args.httpx_client:
+        load = asyncio.run(httpx_load(args.httpx_client, args.connections, args.duration_s, args.prompt_tokens,
+                                      args.seed))
+        print(json.dumps(asdict(load)))
+        return
+    if args.client == "httpx":
+        print("wrk is not installed (apt-get install -y wrk): the load client is an asyncio httpx client", flush=True)
+    with tempfile.TemporaryDirectory() as scratch:
+        results = run_all(args, Path(scratch))
+    text = report(args, results)
+    print(text)
+    if args.markdown:
+        Path(args.markdown).write_text(f"# The front door: prefixserve against a bare Ray Serve app\n\n{text}\n")
+
+
+if __name__ == "__main__":
+    main()
