@@ -24,7 +24,8 @@ def build_app(args: dict[str, Any]) -> Application:
 def build(config: ClusterConfig) -> Application:
     engine = serve.deployment(EngineReplica, name="engine").options(**engine_options(config))
     ingress = serve.deployment(Ingress, name="ingress").options(
-        num_replicas=config.ingress_replicas, max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS, ray_actor_options={"num_cpus": 0})
+        num_replicas=config.ingress_replicas, max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
+        ray_actor_options={"num_cpus": 0})
     return ingress.bind(engine.bind(config), config)
 
 
@@ -32,7 +33,8 @@ def engine_options(config: ClusterConfig) -> dict[str, Any]:
     router_config = RequestRouterConfig(
         request_router_class=PrefixAwareRequestRouter,
         request_router_kwargs={"policy": config.routing_config.model_dump(),
-                               "block_size": config.engine.cache.block_size, "sync_interval_s": config.router_sync_interval_s},
+                               "block_size": config.engine.cache.block_size,
+                               "sync_interval_s": config.router_sync_interval_s},
         request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)
     options = {
         "max_ongoing_requests": config.engine.scheduler.max_num_seqs + config.max_waiting_requests,

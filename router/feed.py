@@ -87,7 +87,8 @@ class RouterFeed:
         if epoch != self.epoch or not oldest <= cursor <= self._cursor:
             return FeedUpdate(self.epoch, self._cursor, [], router.replica_states())
         # Followers ask for the newest few entries: index from the deque's right end, where that is cheap.
-        return FeedUpdate(self.epoch, self._cursor, [self._entries[i] for i in range(cursor - oldest, len(self._entries))])
+        unseen = [self._entries[i] for i in range(cursor - oldest, len(self._entries))]
+        return FeedUpdate(self.epoch, self._cursor, unseen)
 
 
 class FeedingRouter(Router):

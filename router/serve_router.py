@@ -26,8 +26,8 @@ class Routable(Protocol):
 
 
 class PrefixAwareRequestRouter(RequestRouter):
-    def initialize_state(self, policy: dict[str, Any] | None = None, block_size: int = 16, sync_interval_s: float = 0.02,
-                         feed: RouterClient | None = None) -> None:
+    def initialize_state(self, policy: dict[str, Any] | None = None, block_size: int = 16,
+                         sync_interval_s: float = 0.02, feed: RouterClient | None = None) -> None:
         """Serve passes RequestRouterConfig.request_router_kwargs here; `feed` is for tests."""
         config = PolicyConfig.model_validate(policy or {})
         self._following = following_router(self.app_name, config, block_size, sync_interval_s, feed)
