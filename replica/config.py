@@ -31,6 +31,9 @@ class EngineConfig(pydantic.BaseModel):
     dtype: Literal[DTYPES] | None = None  # None: bfloat16 on CUDA and on CPUs with native bf16 matmuls
     device: str | None = None  # None: cuda if available else cpu
     backend: Literal["auto", "triton", "cpu", "torch"] = "auto"  # auto: triton on cuda, else cpu (C++) if it builds
+    # Ranks the model is split over (attention heads, MLP and vocabulary): one process per rank, on a GPU each
+    # on CUDA. It must divide the query heads, and divide the KV heads or be a multiple of them.
+    tensor_parallel_size: int = pydantic.Field(1, ge=1)
     # The scheduler's max_model_len is derived from the model and the KV cache: set the one above.
     scheduler: SchedulerConfig = pydantic.Field(default_factory=SchedulerConfig)
     cache: CacheConfig = pydantic.Field(default_factory=CacheConfig)

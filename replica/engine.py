@@ -3,21 +3,22 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 import torch
 
-from kernels import Backend, get_ops
+from kernels import Backend
 from kernels.cpu import library as cpu_kernels
-from replica.executor.checkpoint import Checkpoint, load_checkpoint
+from replica.executor.checkpoint import load_checkpoint
 from replica.executor.cpu_allocator import keep_freed_memory
 from replica.executor.detokenizer import IncrementalDetokenizer
-from replica.executor.model import LlamaForCausalLM
 from replica.executor.model_runner import ModelRunner
+from replica.executor.multiproc import MultiprocExecutor
 from replica.executor.ngram_proposer import NgramProposer
-from replica.executor.paged_cache import allocate_kv_caches, block_bytes, num_blocks_for_budget
-from replica.executor.weights import build_model
+from replica.executor.paged_cache import block_bytes, num_blocks_for_budget
+from replica.executor.parallel import check_divisible
+from replica.executor.worker import Executor, RunnerSpec, build_runner
 from replica.async_engine import EngineOutput
 from replica.kv_cache import BlockHash, KVCacheManager, KVEvent
 from replica.request import Request, RequestStatus, SamplingParams
@@ -58,8 +59,12 @@ def resolve_backend(backend: str, device: torch.device, head_dim: int) -> Backen
     return "cpu"
 
 
+ExecutorFactory = Callable[[RunnerSpec, int], Executor]  # (spec, tensor_parallel_size) -> the ranks' executor
+
+
 class EngineCore:
-    def __init__(self, config: EngineConfig | None = None):
+    def __init__(self, config: EngineConfig | None = None, *, make_executor: ExecutorFactory = MultiprocExecutor):
+        """make_executor starts the ranks when tensor_parallel_size > 1 (processes of this machine by default)."""
         self.config = config = config or EngineConfig()
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
@@ -69,11 +74,12 @@ class EngineCore:
         self.tokenizer = checkpoint.tokenizer
         self.model_config = checkpoint.config
         self.model_name = config.served_model_name or checkpoint.name
-        model = self._build_model(checkpoint, dtype, device)
+        tp_size = config.tensor_parallel_size
+        check_divisible(checkpoint.config, tp_size)
 
         cache = config.cache
         num_blocks = cache.num_kv_blocks or num_blocks_for_budget(
-            checkpoint.config, cache.block_size, dtype, int(cache.kv_cache_memory_gib * 2**30))
+            checkpoint.config, cache.block_size, dtype, int(cache.kv_cache_memory_gib * 2**30), tp_size)
         if num_blocks < 2:
             raise ValueError(f"kv_cache_memory_gib={cache.kv_cache_memory_gib} holds no KV block")
         self.max_model_len = self._max_model_len(num_blocks)
@@ -88,23 +94,19 @@ class EngineCore:
             num_speculative_tokens=config.num_speculative_tokens)
         self._proposer = NgramProposer(config.num_speculative_tokens, config.ngram_min, config.ngram_max) \
             if config.num_speculative_tokens else None
-        kv_caches = allocate_kv_caches(checkpoint.config, num_blocks, cache.block_size, dtype, device)
-        self.runner = ModelRunner(model, kv_caches, cache.block_size)
+        backend = resolve_backend(config.backend, device, checkpoint.config.head_dim)
+        spec = RunnerSpec(config.model, dtype, device, backend, cache.block_size, num_blocks)
+        self.runner: ModelRunner | Executor = build_runner(spec) if tp_size == 1 else make_executor(spec, tp_size)
+        logger.info("%s on %s x %d: %s, %s kernels", self.model_name, device, tp_size,
+                    str(dtype).removeprefix("torch."), backend)
         self._runner_thread = ThreadPoolExecutor(1, thread_name_prefix="model-runner") \
             if async_scheduling else None
         self._in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
         self._requests: dict[str, tuple[Request, IncrementalDetokenizer]] = {}
-        logger.info("KV cache: %.3f GiB = %d blocks of %d tokens (budget %s); max_model_len %d",
-                    num_blocks * block_bytes(checkpoint.config, cache.block_size, dtype) / 2**30, num_blocks,
-                    cache.block_size, "num_kv_blocks" if cache.num_kv_blocks else
+        logger.info("KV cache per rank: %.3f GiB = %d blocks of %d tokens (budget %s); max_model_len %d",
+                    num_blocks * block_bytes(checkpoint.config, cache.block_size, dtype, tp_size) / 2**30,
+                    num_blocks, cache.block_size, "num_kv_blocks" if cache.num_kv_blocks else
                     f"{cache.kv_cache_memory_gib} GiB", self.max_model_len)
-
-    def _build_model(self, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-        backend = resolve_backend(self.config.backend, device, checkpoint.config.head_dim)
-        model = build_model(checkpoint, dtype=dtype, device=device, ops=get_ops(backend))
-        logger.info("%s on %s: %s, %s kernels", self.model_name, device, str(dtype).removeprefix("torch."),
-                    backend)
-        return model
 
     def _max_model_len(self, num_blocks: int) -> int:
         context_len = self.model_config.max_position
@@ -221,6 +223,18 @@ class EngineCore:
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
+
+    def check_health(self) -> None:
+        """WorkerLost if a tensor-parallel rank is gone."""
+        if self.config.tensor_parallel_size > 1:
+            self.runner.check_health()
+
+    def shutdown(self) -> None:
+        """Ends the tensor-parallel ranks' processes, if any; the engine cannot step afterwards."""
+        if self._runner_thread is not None:
+            self._runner_thread.shutdown(wait=True)
+        if self.config.tensor_parallel_size > 1:
+            self.runner.shutdown()
 
 
 @dataclass

@@ -15,12 +15,15 @@ from kernels import KernelOps
 from replica.executor import rope
 from replica.executor.config import ModelConfig
 from replica.executor.packed_linear import PackedLinear
+from replica.executor.parallel import TensorParallel, shard_heads, vocab_slice
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # key, value: [num_blocks, block_size, num_kv_heads, head_dim]
 
 # checkpoint projection -> (fused parameter, shard index)
 _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+# projections split by input columns under tensor parallelism (row parallel); the others split by output rows
+_ROW_PARALLEL = ("o_proj", "down_proj")
 
 
 @dataclass
@@ -53,9 +56,11 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, ops: KernelOps):
+    def __init__(self, config: ModelConfig, ops: KernelOps, tp: TensorParallel):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.heads = shard_heads(config, tp)
+        self.num_heads, self.num_kv_heads = self.heads.num_heads, self.heads.num_kv_heads
+        self.head_dim = config.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
@@ -65,9 +70,15 @@ class LlamaAttention(nn.Module):
         self.qk_norm = config.qk_norm
         self.scale = self.head_dim ** -0.5
         self.ops = ops
+        self.tp = tp
 
     def shard_sizes(self) -> list[int]:
         return [self.q_size, self.kv_size, self.kv_size]
+
+    def shard_starts(self) -> list[int]:
+        """Where this rank's rows of q, k and v start in the checkpoint's."""
+        return [self.heads.q_start * self.head_dim, self.heads.kv_start * self.head_dim,
+                self.heads.kv_start * self.head_dim]
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache,
                 metadata: AttentionMetadata, cos_sin_cache: torch.Tensor) -> torch.Tensor:
@@ -81,7 +92,7 @@ class LlamaAttention(nn.Module):
         value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
         query, key = self.ops.apply_rotary(query, key, positions, cos_sin_cache)
         out = self._paged_attention(query, key, value, kv_cache, metadata)
-        return self.o_proj(out.view(num_tokens, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.view(num_tokens, self.q_size)))
 
     def _paged_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache,
                          metadata: AttentionMetadata) -> torch.Tensor:
@@ -96,27 +107,31 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, ops: KernelOps):
+    def __init__(self, config: ModelConfig, ops: KernelOps, tp: TensorParallel):
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.intermediate_size = config.intermediate_size // tp.size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=False)
         self.ops = ops
+        self.tp = tp
 
     def shard_sizes(self) -> list[int]:
         return [self.intermediate_size, self.intermediate_size]
 
+    def shard_starts(self) -> list[int]:
+        return [self.tp.rank * self.intermediate_size] * 2
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x))))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, ops: KernelOps):
+    def __init__(self, config: ModelConfig, ops: KernelOps, tp: TensorParallel):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.self_attn = LlamaAttention(config, ops)
+        self.self_attn = LlamaAttention(config, ops, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.mlp = LlamaMLP(config, ops)
+        self.mlp = LlamaMLP(config, ops, tp)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: KVCache, metadata: AttentionMetadata,
@@ -130,21 +145,41 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, ops: KernelOps):
+class VocabParallelEmbedding(nn.Module):
+    """The embedding table's rows of this rank's vocabulary slice; the ranks' lookups sum to the full one."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, ops) for _ in range(config.num_layers))
+        self.vocab_start, self.num_rows = vocab_slice(vocab_size, tp)
+        self.weight = nn.Parameter(torch.empty(self.num_rows, hidden_size), requires_grad=False)
+        self.tp = tp
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local_ids = input_ids - self.vocab_start
+        elsewhere = (local_ids < 0) | (local_ids >= self.num_rows)
+        embedded = F.embedding(local_ids.masked_fill(elsewhere, 0), self.weight)
+        return self.tp.all_reduce(embedded.masked_fill_(elsewhere.unsqueeze(-1), 0))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, ops: KernelOps, tp: TensorParallel):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, ops, tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, ops: KernelOps, device: torch.device | str):
+    def __init__(self, config: ModelConfig, ops: KernelOps, device: torch.device | str,
+                 tp: TensorParallel = TensorParallel()):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, ops)
+        self.tp = tp
+        self.model = LlamaModel(config, ops, tp)
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = nn.Linear(config.hidden_size, self.model.embed_tokens.num_rows, bias=False)
         self.packed_lm_head: PackedLinear | None = None
         self.cos_sin_cache = rope.cos_sin_cache(config, device)
 
@@ -161,11 +196,16 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden_size] -> fp32 logits [N, vocab_size]."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [N, hidden_size] -> fp32 logits [N, vocab_size], on the driver rank; None on the others."""
         if self.packed_lm_head is not None:
-            return self.packed_lm_head(hidden).float()
-        return F.linear(hidden, self.lm_head_weight).float()
+            logits = self.packed_lm_head(hidden)
+        else:
+            logits = F.linear(hidden, self.lm_head_weight)
+        if self.tp.size == 1:
+            return logits.float()
+        logits = self.tp.gather_last_dim(logits)
+        return None if logits is None else logits[:, :self.config.vocab_size].float()
 
     def pack_linear_weights(self) -> None:
         """CPU, once the weights are loaded: every projection and the LM head on oneDNN-packed weights.
@@ -177,11 +217,12 @@ class LlamaForCausalLM(nn.Module):
         self.packed_lm_head = getattr(self, "lm_head", None) or PackedLinear(self.lm_head_weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (HF names) in; q/k/v and gate/up land in their fused parameters."""
+        """Copy checkpoint tensors (HF names) in; q/k/v and gate/up land in their fused parameters, and under
+        tensor parallelism each parameter takes its rank's part of the tensor."""
         params = dict(self.named_parameters())
-        fused_sizes = self._fused_shard_sizes()
-        shard_sizes = {name: fused_sizes.get(name, [param.shape[0]]) for name, param in params.items()}
-        expected = {(name, shard) for name, sizes in shard_sizes.items() for shard in range(len(sizes))}
+        fused = self._fused_layouts()
+        layouts = {name: fused.get(name, ([param.shape[0]], [None])) for name, param in params.items()}
+        expected = {(name, shard) for name, (sizes, _) in layouts.items() for shard in range(len(sizes))}
         loaded = set()
         for name, tensor in weights:
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
@@ -189,9 +230,11 @@ class LlamaForCausalLM(nn.Module):
             name, shard = _fused_name(name)
             if name not in params:
                 raise ValueError(f"unexpected weight {name!r} in the checkpoint")
-            sizes = shard_sizes[name]
-            start = sum(sizes[:shard])
-            target = params[name].data[start:start + sizes[shard]]
+            sizes, starts = layouts[name]
+            offset = sum(sizes[:shard])
+            target = params[name].data[offset:offset + sizes[shard]]
+            if self.tp.size > 1:
+                tensor = self._rank_part(name, tensor, starts[shard], target.shape)
             if target.shape != tensor.shape:
                 raise ValueError(f"weight {name!r} shard {shard}: checkpoint has shape {tuple(tensor.shape)}, "
                                  f"the model expects {tuple(target.shape)}")
@@ -200,14 +243,29 @@ class LlamaForCausalLM(nn.Module):
         if missing := sorted(expected - loaded):
             raise ValueError(f"the checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
 
-    def _fused_shard_sizes(self) -> dict[str, list[int]]:
-        sizes = {}
+    def _rank_part(self, name: str, tensor: torch.Tensor, start: int | None, shape: torch.Size) -> torch.Tensor:
+        """The rows (columns, for a row-parallel projection) of a checkpoint tensor that this rank holds;
+        start: where a fused parameter's shard starts in the tensor."""
+        if name.split(".")[-2] in _ROW_PARALLEL:
+            return tensor.narrow(1, self.tp.rank * shape[1], shape[1])
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            start = self.model.embed_tokens.vocab_start
+            rows = tensor[start:start + shape[0]]
+            return F.pad(rows, (0, 0, 0, shape[0] - rows.shape[0]))  # the last slice's padding rows
+        if start is not None:
+            return tensor.narrow(0, start, shape[0])
+        return tensor  # norms: every rank holds them whole
+
+    def _fused_layouts(self) -> dict[str, tuple[list[int], list[int]]]:
+        """Fused parameter -> (its shards' sizes, where each shard's rows start in the checkpoint tensor)."""
+        layouts = {}
         for name, module in self.named_modules():
             if isinstance(module, LlamaAttention):
-                sizes[f"{name}.qkv_proj.weight"] = sizes[f"{name}.qkv_proj.bias"] = module.shard_sizes()
+                layout = module.shard_sizes(), module.shard_starts()
+                layouts[f"{name}.qkv_proj.weight"] = layouts[f"{name}.qkv_proj.bias"] = layout
             elif isinstance(module, LlamaMLP):
-                sizes[f"{name}.gate_up_proj.weight"] = module.shard_sizes()
-        return sizes
+                layouts[f"{name}.gate_up_proj.weight"] = module.shard_sizes(), module.shard_starts()
+        return layouts
 
 
 def _fused_name(name: str) -> tuple[str, int]:

@@ -5,7 +5,8 @@ cached ones with only what changed. It keeps every request's token ids itself (t
 the tokens it emitted); a resumed request starts over from the scheduler's token ids and blocks.
 A request's speculative drafts are verified in the same forward pass as the rest of the batch: its
 last token and the drafts are scheduled together, and the logits at each of their positions go to
-the rejection sampler.
+the rejection sampler. Under tensor parallelism every rank runs one, on its shard: the driver rank
+samples, and the others take its tokens so that their requests' token ids stay the same.
 """
 import torch
 
@@ -22,6 +23,7 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = kv_caches[0][0].device
+        self.tp = model.tp
         self.requests: dict[str, RequestState] = {}
 
     @torch.inference_mode()
@@ -37,6 +39,16 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         sampling = [states[row] for row in batch.sample_rows]
         num_drafts = [len(state.spec_token_ids) for state in sampling]
+        sampled, counts = None, None
+        if logits is not None:
+            sampled, counts = self._sample(logits, sampling, num_drafts)
+        if self.tp.size > 1:
+            sampled, counts = self._broadcast_tokens(sampled, counts, len(batch.logits_indices), len(sampling))
+        return self._make_output(batch, sampling, sampled, num_drafts, counts)
+
+    def _sample(self, logits: torch.Tensor, sampling: list[RequestState],
+                num_drafts: list[int]) -> tuple[Sampled, list[int]]:
+        """The tokens of every logits row, and how many of each request's rows it emits."""
         # one logits row per draft position and one more per request, each sampled with its request's params
         row_states = [state for state, count in zip(sampling, num_drafts) for _ in range(count + 1)]
         metadata = SamplingMetadata.from_params(
@@ -46,10 +58,20 @@ class ModelRunner:
         if any(num_drafts):
             draft_token_ids = [token for state in sampling for token in (*state.spec_token_ids, -1)]
             sampled, accepted = rejection_sample(logits, torch.tensor(draft_token_ids, device=self.device), metadata)
-            counts = num_emitted(accepted.tolist(), num_drafts)
+            return sampled, num_emitted(accepted.tolist(), num_drafts)
+        return sample(logits, metadata), [1] * len(sampling)
+
+    def _broadcast_tokens(self, sampled: Sampled | None, counts: list[int] | None, num_rows: int,
+                          num_requests: int) -> tuple[Sampled, list[int]]:
+        """The driver's tokens and counts, on every rank; the driver keeps its logprobs."""
+        if self.tp.is_driver:
+            packed = torch.cat([sampled.token_ids, torch.tensor(counts, device=self.device)])
         else:
-            sampled, counts = sample(logits, metadata), [1] * len(sampling)
-        return self._make_output(batch, sampling, sampled, num_drafts, counts)
+            packed = torch.empty(num_rows + num_requests, dtype=torch.int64, device=self.device)
+        self.tp.broadcast(packed)
+        if self.tp.is_driver:
+            return sampled, counts
+        return Sampled(packed[:num_rows], None, None), packed[num_rows:].tolist()
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for req_id in scheduler_output.finished_req_ids:

@@ -1,23 +1,30 @@
-"""The paged KV cache tensors: per layer, K and V of shape [num_blocks, block_size, num_kv_heads, head_dim]."""
+"""The paged KV cache tensors: per layer, K and V of shape [num_blocks, block_size, num_kv_heads, head_dim].
+
+Under tensor parallelism each rank holds the KV heads of its own query heads: num_kv_heads is the rank's.
+"""
 import torch
 
 from replica.executor.config import ModelConfig
 from replica.executor.model import KVCache
+from replica.executor.parallel import num_kv_heads_per_rank
 
 
-def block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers, K and V."""
+def block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """Bytes one block takes across all layers, K and V, on each rank."""
     element_size = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element_size
+    num_kv_heads = num_kv_heads_per_rank(config, tp_size)
+    return 2 * config.num_layers * block_size * num_kv_heads * config.head_dim * element_size
 
 
-def num_blocks_for_budget(config: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
-    return budget_bytes // block_bytes(config, block_size, dtype)
+def num_blocks_for_budget(config: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: int,
+                          tp_size: int = 1) -> int:
+    """budget_bytes: each rank's."""
+    return budget_bytes // block_bytes(config, block_size, dtype, tp_size)
 
 
 def allocate_kv_caches(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                       device: torch.device) -> list[KVCache]:
+                       device: torch.device, tp_size: int = 1) -> list[KVCache]:
     # zeros, not empty: padded attention reads masked slots, and 0 * NaN garbage would be NaN
-    shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    shape = (num_blocks, block_size, num_kv_heads_per_rank(config, tp_size), config.head_dim)
     return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(config.num_layers)]

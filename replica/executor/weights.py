@@ -8,13 +8,15 @@ from kernels import KernelOps
 from replica.executor import gguf_loader, packed_linear
 from replica.executor.checkpoint import Checkpoint
 from replica.executor.model import LlamaForCausalLM
+from replica.executor.parallel import TensorParallel
 
 
-def build_model(checkpoint: Checkpoint, *, dtype: torch.dtype, device: torch.device,
-                ops: KernelOps) -> LlamaForCausalLM:
+def build_model(checkpoint: Checkpoint, *, dtype: torch.dtype, device: torch.device, ops: KernelOps,
+                tp: TensorParallel = TensorParallel()) -> LlamaForCausalLM:
+    """The model, or under tensor parallelism the shard of rank tp.rank."""
     # built on the meta device, so no memory is initialized only to be overwritten by the weights
     with torch.device("meta"):
-        model = LlamaForCausalLM(checkpoint.config, ops, device).to(dtype)
+        model = LlamaForCausalLM(checkpoint.config, ops, device, tp).to(dtype)
     model.to_empty(device=device)
     model.load_weights((name, tensor.to(device)) for name, tensor in iter_weights(checkpoint, dtype))
     if packed_linear.can_pack(device, dtype):

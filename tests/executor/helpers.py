@@ -3,6 +3,7 @@ import torch
 
 from replica.executor.model import AttentionGroup, AttentionMetadata, LlamaForCausalLM
 from replica.executor.paged_cache import allocate_kv_caches
+from replica.request import SamplingParams
 
 
 def last_position_logits(model: LlamaForCausalLM, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
@@ -30,3 +31,13 @@ def byte_tokenizer_backend():
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
     return backend
+
+
+def assert_tight_runs_give(llm, prompts: list[list[int]], params: SamplingParams, expected: list[list[int]]) -> None:
+    """llm, whose KV cache is too small for the three prompts of 1-3 blocks at once, gives the expected
+    tokens with preemptions, and again from the prefix cache (0, 1 and 2 blocks cached)."""
+    assert [output.token_ids for output in llm.generate(prompts, params)] == expected
+    assert llm.engine.stats().num_preemptions > 0
+    again = llm.generate(prompts, params)
+    assert [output.token_ids for output in again] == expected
+    assert [output.num_cached_tokens for output in again] == [0, 16, 32]

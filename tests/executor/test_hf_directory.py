@@ -13,7 +13,7 @@ from replica.executor.checkpoint import load_checkpoint
 from replica.executor.weights import build_model
 from replica.request import SamplingParams
 from tests.executor.gguf_writer import write_gguf
-from tests.executor.helpers import byte_tokenizer_backend, last_position_logits
+from tests.executor.helpers import assert_tight_runs_give, byte_tokenizer_backend, last_position_logits
 
 transformers = pytest.importorskip("transformers")
 
@@ -136,11 +136,7 @@ def test_greedy_tokens_match_transformers_batched_chunked_preempted_and_cached(c
     # 6 usable blocks of 16 for sequences that grow to 2, 3 and 4 blocks; prefills in chunks of 8 tokens
     tight = LLM(str(path), dtype="float32", num_kv_blocks=7, max_num_batched_tokens=8, reserve_full_sequence=False,
                 async_scheduling=async_scheduling)
-    assert [output.token_ids for output in tight.generate(prompts, params)] == expected
-    assert tight.engine.stats().num_preemptions > 0
-    again = tight.generate(prompts, params)
-    assert [output.token_ids for output in again] == expected
-    assert [output.num_cached_tokens for output in again] == [0, 16, 32]
+    assert_tight_runs_give(tight, prompts, params, expected)
 
 
 @pytest.mark.slow
