@@ -43,8 +43,22 @@ def engine_options(config: ClusterConfig) -> dict[str, Any]:
         "ray_actor_options": {"num_cpus": config.replica_num_cpus, "num_gpus": config.replica_num_gpus},
         "request_router_config": router_config,
     }
+    if config.engine.tensor_parallel_size > 1:
+        options.update(placement_options(config))
     if config.autoscaling is None:
         options["num_replicas"] = config.num_replicas
     else:
         options["autoscaling_config"] = config.autoscaling.to_serve_config()
     return options
+
+
+def placement_options(config: ClusterConfig) -> dict[str, Any]:
+    """A tensor-parallel replica: a placement group of one bundle per rank, each an equal share of the replica's
+    CPUs and GPUs. The replica's own actor sits in the first bundle beside rank 0 and reserves nothing itself."""
+    size = config.engine.tensor_parallel_size
+    bundle = {"CPU": config.replica_num_cpus / size}
+    if config.replica_num_gpus:
+        bundle["GPU"] = config.replica_num_gpus / size
+    return {"placement_group_bundles": [dict(bundle) for _ in range(size)],
+            "placement_group_strategy": config.placement_strategy,
+            "ray_actor_options": {"num_cpus": 0, "num_gpus": 0}}

@@ -30,8 +30,15 @@ def build_parser() -> argparse.ArgumentParser:
                          help="HTTP ingress replicas, each routing requests in its own process (default: %(default)s)")
     cluster.add_argument("--autoscale", type=int, nargs=2, metavar=("MIN", "MAX"),
                          help="scale the engine replicas between MIN and MAX on preemptions (starts at --replicas)")
-    cluster.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs reserved per engine replica (default: %(default)s)")
-    cluster.add_argument("--replica-gpus", type=float, default=0.0, help="GPUs reserved per engine replica (default: %(default)s)")
+    cluster.add_argument("--replica-cpus", type=float, default=1.0,
+                         help="CPUs reserved per engine replica, shared by its tensor-parallel ranks "
+                              "(default: %(default)s)")
+    cluster.add_argument("--replica-gpus", type=float, default=0.0,
+                         help="GPUs reserved per engine replica, shared by its tensor-parallel ranks "
+                              "(default: %(default)s)")
+    cluster.add_argument("--placement-strategy", choices=["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"],
+                         default="STRICT_PACK", help="how the ranks of a replica are placed on the nodes (default: "
+                                                     "%(default)s, one node)")
     cluster.add_argument("--router-sync-interval-s", type=float, default=0.02,
                          help="seconds between an ingress replica's syncs of its routing view (default: %(default)s)")
     cluster.add_argument("--routing-policy", choices=["prefix", "round_robin", "least_loaded"], default="prefix",
@@ -55,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--served-model-name", help="model name in the API (default: from the model file)")
     model.add_argument("--dtype", help="float32, bfloat16 or float16 (default: bfloat16 where the hardware has it)")
     model.add_argument("--device", help="cpu or cuda (default: cuda if available)")
+    model.add_argument("--tensor-parallel-size", type=int, default=1,
+                       help="ranks each replica splits the model over, a process (and a GPU) each "
+                            "(default: %(default)s)")
 
     cache = serve.add_argument_group("KV cache")
     size = cache.add_mutually_exclusive_group()
@@ -90,7 +100,7 @@ def config_from_args(args: argparse.Namespace):
 
     engine = {
         "model": args.model, "served_model_name": args.served_model_name, "dtype": args.dtype,
-        "device": args.device, "max_model_len": args.max_model_len,
+        "device": args.device, "max_model_len": args.max_model_len, "tensor_parallel_size": args.tensor_parallel_size,
         "num_speculative_tokens": args.num_speculative_tokens, "ngram_min": args.ngram_min, "ngram_max": args.ngram_max,
         "cache": {"block_size": args.block_size, "num_kv_blocks": args.num_kv_blocks,
                   "kv_cache_memory_gib": args.kv_cache_gib, "enable_prefix_caching": not args.no_prefix_caching},
@@ -108,6 +118,7 @@ def config_from_args(args: argparse.Namespace):
                          router_sync_interval_s=args.router_sync_interval_s,
                          api_key=args.api_key or os.environ.get(API_KEY_ENV),
                          replica_num_cpus=args.replica_cpus, replica_num_gpus=args.replica_gpus,
+                         placement_strategy=args.placement_strategy,
                          max_waiting_requests=args.max_waiting_requests, max_queued_requests=args.max_queued_requests,
                          max_request_body_bytes=args.max_request_body_bytes, max_migrations=args.max_migrations)
 

@@ -20,8 +20,12 @@ class ClusterConfig(pydantic.BaseModel):
     autoscaling: AutoscalingSettings | None = None  # None: a fixed num_replicas
     routing: Literal["prefix", "round_robin", "least_loaded"] = "prefix"  # how the router picks a replica
     api_key: str | None = None  # None: PREFIXSERVE_API_KEY from the ingress's environment, if set
+    # What one engine replica reserves from Ray, all its tensor-parallel ranks together: each rank's bundle of
+    # the replica's placement group takes an equal share (engine.tensor_parallel_size > 1).
     replica_num_cpus: float = pydantic.Field(1.0, ge=0)
     replica_num_gpus: float = pydantic.Field(0.0, ge=0)
+    # How a replica's rank bundles are placed: STRICT_PACK keeps them on one node (NCCL over NVLink / PCIe).
+    placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
     # How often each ingress replica syncs its routing view with the router feed (engines' reports, others' bookings).
     router_sync_interval_s: float = pydantic.Field(0.02, gt=0)
     # Requests an engine replica takes beyond its running set (max_num_seqs); more wait in the ingress.

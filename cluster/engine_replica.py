@@ -8,7 +8,9 @@ from ray import serve
 
 from cluster.config import ClusterConfig
 from cluster.publisher import RouterPublisher
+from cluster.tp_workers import RayExecutor
 from replica.async_engine import AsyncEngine, EngineOutput, EngineRequest, ModelInfo, ReplicaStats
+from replica.config import EngineConfig
 from replica.engine import EngineCore
 from router.actor import RouterClient
 
@@ -18,7 +20,7 @@ class EngineReplica:
         self._engine: AsyncEngine | None = None  # Serve may stop a replica while its model still loads
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
-        core = await asyncio.to_thread(EngineCore, config.engine)  # loads the model: seconds
+        core = await asyncio.to_thread(EngineCore, _engine_config(config), make_executor=RayExecutor)  # seconds
         self._publisher = RouterPublisher(
             self.replica_id,
             RouterClient(context.app_name, config.routing_config, core.config.cache.block_size, create=False))
@@ -47,12 +49,22 @@ class EngineReplica:
     async def record_autoscaling_stats(self) -> dict[str, float]:
         return dataclasses.asdict(await self._engine.call(ReplicaStats.of))
 
-    def check_health(self) -> None:
+    async def check_health(self) -> None:
         if self._engine.error is not None:
             raise RuntimeError(f"the engine loop stopped: {self._engine.error!r}")
+        await asyncio.to_thread(self._engine.core.check_health)
 
     async def __del__(self) -> None:
         if self._engine is not None:
             await self._engine.shutdown()
+            await asyncio.to_thread(self._engine.core.shutdown)
             await self._publisher.close()
+
+
+def _engine_config(config: ClusterConfig) -> EngineConfig:
+    """The engine's config; a tensor-parallel replica's ranks hold its GPUs, so its own actor sees none."""
+    engine = config.engine
+    if engine.tensor_parallel_size > 1 and engine.device is None and config.replica_num_gpus:
+        return engine.model_copy(update={"device": "cuda"})
+    return engine
 

@@ -269,6 +269,24 @@ def test_gpu_values_schedule_one_replica_per_gpu(chart):
     assert rayservice["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"] is True
 
 
+def test_a_tensor_parallel_replica_takes_a_gpu_group_pod_with_its_gpus(chart):
+    values = values_of("values-gpu.yaml")
+    values["serve"]["args"].update(replica_num_gpus=2.0, engine={"tensor_parallel_size": 2})
+    with pytest.raises(helm_python.HelmRenderError, match="a replica takes 2 GPUs on one node .* no worker group's "
+                                                          "pods have more than 1 nvidia.com/gpu"):
+        render(chart, values)
+    (gpu_group,) = values["workerGroups"]
+    gpu_group["resources"] = {"requests": {"cpu": "12", "nvidia.com/gpu": "2"},
+                              "limits": {"cpu": "12", "nvidia.com/gpu": "2"}}
+    args = serve_application(render(chart, values)["RayService"])["args"]
+    config = ClusterConfig.model_validate(args)
+    assert (config.engine.tensor_parallel_size, config.replica_num_gpus, config.placement_strategy) == (
+        2, 2.0, "STRICT_PACK")
+    values["serve"]["args"]["placement_strategy"] = "SPREAD"  # ranks on any nodes: a GPU per pod is enough
+    gpu_group["resources"]["requests"]["nvidia.com/gpu"] = gpu_group["resources"]["limits"]["nvidia.com/gpu"] = "1"
+    render(chart, values)
+
+
 def test_monitoring_is_off_by_default(chart):
     assert set(render(chart)) == {"NOTES", "RayService"}
 

@@ -12,9 +12,8 @@ from multiprocessing.connection import Connection, wait
 
 import torch
 
-from replica.executor.errors import WorkerLost
 from replica.executor.parallel import TensorParallel
-from replica.executor.worker import RunnerSpec, Worker
+from replica.executor.worker import RunnerSpec, Worker, WorkerLost
 from replica.scheduler import ModelRunnerOutput, SchedulerOutput
 
 LOOPBACK = "127.0.0.1"

@@ -36,6 +36,10 @@ def build_runner(spec: RunnerSpec, tp: TensorParallel = TensorParallel(),
     return ModelRunner(model, kv_caches, spec.block_size)
 
 
+class WorkerLost(RuntimeError):
+    """A tensor-parallel rank of the engine died: the engine cannot step again."""
+
+
 class Executor(Protocol):
     """Drives the tensor-parallel ranks of one engine: MultiprocExecutor, or the Ray app's RayExecutor."""
 

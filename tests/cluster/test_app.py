@@ -40,6 +40,17 @@ def test_engine_deployment_routes_through_the_prefix_aware_router():
     assert router_config.request_router_kwargs["policy"]["policy"] == "least_loaded"
 
 
+def test_a_tensor_parallel_replica_is_a_placement_group_of_one_bundle_per_rank():
+    options = engine_options(ClusterConfig(engine={"tensor_parallel_size": 2}, replica_num_cpus=4, replica_num_gpus=2))
+    assert options["placement_group_bundles"] == [{"CPU": 2.0, "GPU": 1.0}, {"CPU": 2.0, "GPU": 1.0}]
+    assert options["placement_group_strategy"] == "STRICT_PACK"
+    assert options["ray_actor_options"] == {"num_cpus": 0, "num_gpus": 0}  # the replica's actor sits beside rank 0
+    cpu_only = engine_options(ClusterConfig(engine={"tensor_parallel_size": 4}, placement_strategy="SPREAD"))
+    assert (cpu_only["placement_group_bundles"], cpu_only["placement_group_strategy"]) == ([{"CPU": 0.25}] * 4,
+                                                                                         "SPREAD")
+    assert "placement_group_bundles" not in engine_options(ClusterConfig())
+
+
 def test_the_router_assumes_what_the_engine_config_says():
     def router_policy(**engine) -> dict:
         return engine_options(ClusterConfig(engine=engine))["request_router_config"].request_router_kwargs["policy"]

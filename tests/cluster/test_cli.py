@@ -10,6 +10,7 @@ from router.policy import PolicyConfig
 
 SERVE_OPTIONS = {
     "-h", "--help", "--address", "--host", "--port", "--replicas", "--ingress-replicas", "--autoscale",
+    "--placement-strategy", "--tensor-parallel-size",
     "--replica-cpus", "--replica-gpus", "--router-sync-interval-s", "--routing-policy", "--max-waiting-requests", "--max-queued-requests", "--max-request-body-bytes",
     "--max-migrations", "--api-key", "--model", "--served-model-name", "--dtype", "--device", "--num-kv-blocks",
     "--kv-cache-gib", "--block-size", "--no-prefix-caching", "--max-num-seqs", "--max-num-batched-tokens",
@@ -51,6 +52,9 @@ def test_flags_reach_the_config(monkeypatch):
     spec = parse("--num-speculative-tokens", "3", "--ngram-min", "2", "--ngram-max", "5").engine
     assert (spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max) == (3, 2, 5)
     assert parse("--api-key", "flag").api_key == "flag"
+    parallel = parse("--tensor-parallel-size", "2", "--placement-strategy", "PACK", "--replica-gpus", "2")
+    assert (parallel.engine.tensor_parallel_size, parallel.placement_strategy, parallel.replica_num_gpus) == (
+        2, "PACK", 2.0)
     limits = parse("--max-waiting-requests", "4", "--max-queued-requests", "16", "--max-request-body-bytes", "4096",
                    "--max-migrations", "0")
     assert (limits.max_waiting_requests, limits.max_queued_requests, limits.max_request_body_bytes,

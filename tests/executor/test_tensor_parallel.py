@@ -9,8 +9,8 @@ import torch
 
 from replica.engine import LLM, EngineConfig, EngineCore
 from replica.executor.config import ModelConfig
-from replica.executor.errors import WorkerLost
 from replica.executor.parallel import HeadShard, TensorParallel, check_divisible, shard_heads, vocab_slice
+from replica.executor.worker import WorkerLost
 from replica.request import SamplingParams
 from tests.executor.helpers import assert_tight_runs_give
 from tests.executor.test_hf_directory import PROMPTS, SHAPE, save_checkpoint

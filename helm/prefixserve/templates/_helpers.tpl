@@ -50,8 +50,27 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 {{- end }}
 
+{{/*
+A replica's ranks on one node (placement_strategy STRICT_PACK) need a worker group whose pods hold all the
+replica's GPUs (serve.args.replica_num_gpus: tensor_parallel_size of them for one GPU per rank).
+*/}}
+{{- define "prefixserve.checkReplicaFitsAPod" -}}
+{{- $args := .Values.serve.args }}
+{{- $gpus := float64 ($args.replica_num_gpus | default 0) }}
+{{- if and (gt $gpus 0.0) (eq ($args.placement_strategy | default "STRICT_PACK") "STRICT_PACK") }}
+{{- $most := 0.0 }}
+{{- range .Values.workerGroups }}
+{{- $most = maxf $most (float64 (index ((.resources | default dict).limits | default dict) "nvidia.com/gpu" | default 0)) }}
+{{- end }}
+{{- if gt $gpus $most }}
+{{- fail (printf "a replica takes %v GPUs on one node (serve.args.replica_num_gpus, placement_strategy STRICT_PACK), but no worker group's pods have more than %v nvidia.com/gpu" $gpus $most) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{/* serveConfigV2: the application `prefixserve serve` runs, args = ClusterConfig. */}}
 {{- define "prefixserve.serveConfig" -}}
+{{- include "prefixserve.checkReplicaFitsAPod" . }}
 {{- $args := deepCopy .Values.serve.args }}
 {{- $modelPath := include "prefixserve.modelPath" . }}
 {{- if $modelPath }}
