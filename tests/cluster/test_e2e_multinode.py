@@ -60,10 +60,11 @@ def deployment_replicas(deployment: str = "engine") -> dict[str, tuple[str, str]
     return {replica["replica_id"]: (replica["state"], replica.get("node_id")) for replica in replicas}
 
 
-async def stream(client: httpx.AsyncClient, prompt: str, started: asyncio.Queue) -> tuple[str, str | None]:
+async def stream(client: httpx.AsyncClient, prompt: str, started: asyncio.Queue, *, model: str = MODEL,
+                 max_tokens: int = MAX_TOKENS) -> tuple[str, str | None]:
     """A greedy streamed completion -> (its text, its finish_reason); puts its replica on `started` at the
     first token."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True}
     text, finish_reason = "", None
     async with client.stream("POST", "/v1/completions", json=body) as response:
@@ -107,6 +108,13 @@ def test_losing_a_node_under_load_migrates_its_streams_and_replaces_its_replica(
 
     results, victim = asyncio.run(run_and_remove_a_node(base_url, cluster, workers))
 
+    assert_migrated_and_replaced(base_url, body, PROMPTS, results, undisturbed, victim)
+
+
+def assert_migrated_and_replaced(base_url: str, body: dict, prompts: list[str], results: list[tuple[str, str | None]],
+                                 undisturbed: list[str], victim: str) -> None:
+    """The streams of prompts ended as undisturbed runs, at least one of them after a migration; Serve replaced the
+    victim replica (2 run, none of them the victim), the router forgot it, and the app serves as before."""
     assert [text for text, _ in results] == undisturbed
     assert {finish_reason for _, finish_reason in results} == {"length"}
     migrations = re.search(r"^prefixserve:request_migrations_total (\S+)$", httpx.get(f"{base_url}/metrics").text, re.M)
@@ -121,5 +129,5 @@ def test_losing_a_node_under_load_migrates_its_streams_and_replaces_its_replica(
         time.sleep(2)
     assert victim not in replicas and len(running) == 2, replicas
     assert victim not in routed
-    after = httpx.post(f"{base_url}/v1/completions", json={**body, "prompt": PROMPTS[0]}, timeout=120)
+    after = httpx.post(f"{base_url}/v1/completions", json={**body, "prompt": prompts[0]}, timeout=120)
     assert after.json()["choices"][0]["text"] == undisturbed[0]
