@@ -18,6 +18,7 @@ from replica.scheduler import ModelRunnerOutput, SchedulerOutput
 
 LOOPBACK = "127.0.0.1"
 _SHUTDOWN_TIMEOUT_S = 5.0
+_EXIT_WAIT_S = 1.0
 
 
 class MultiprocExecutor:
@@ -71,6 +72,7 @@ class MultiprocExecutor:
             raise self._lost() from None
 
     def _lost(self) -> WorkerLost:
+        wait([process.sentinel for process in self._processes], timeout=_EXIT_WAIT_S)  # a closed pipe's process ends
         dead = {rank: process.exitcode for rank, process in enumerate(self._processes) if not process.is_alive()}
         return WorkerLost(f"tensor-parallel ranks exited (rank: exit code): {dead}")
 

@@ -14,6 +14,7 @@ from replica.executor.worker import WorkerLost
 from replica.request import SamplingParams
 from tests.executor.helpers import assert_tight_runs_give
 from tests.executor.test_hf_directory import PROMPTS, SHAPE, save_checkpoint
+from tests.test_engine import PROMPTS as ENGINE_PROMPTS
 
 transformers = pytest.importorskip("transformers")
 
@@ -97,3 +98,21 @@ def test_a_rank_that_dies_fails_the_engine_instead_of_hanging(two_ranks):
         two_ranks.generate(PROMPTS[0], GREEDY)
     with pytest.raises(WorkerLost):
         two_ranks.engine.check_health()
+
+
+@pytest.mark.slow
+def test_the_default_model_splits_over_three_ranks():
+    """SmolLM2-135M's 9 query heads and 3 KV heads: 3 and 1 on each rank, with one process's greedy tokens."""
+    one = LLM(dtype="float32", num_kv_blocks=64)
+    expected = [output.token_ids for output in one.generate(ENGINE_PROMPTS, GREEDY)]
+    # 4 usable blocks of 16 for sequences of 1, 1, 3 and 1 blocks; prefills in chunks of 8 tokens
+    three = LLM(dtype="float32", num_kv_blocks=5, max_num_batched_tokens=8, reserve_full_sequence=False,
+                tensor_parallel_size=3)
+    try:
+        assert [output.token_ids for output in three.generate(ENGINE_PROMPTS, GREEDY)] == expected
+        assert three.engine.stats().num_preemptions > 0
+        again = three.generate(ENGINE_PROMPTS, GREEDY)
+        assert [output.token_ids for output in again] == expected
+        assert again[2].num_cached_tokens > 0  # its 37-token prompt's full blocks, those not evicted since
+    finally:
+        three.engine.shutdown()
