@@ -20,7 +20,7 @@ class EngineReplica:
         self._engine: AsyncEngine | None = None  # Serve may stop a replica while its model still loads
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
-        core = await asyncio.to_thread(EngineCore, _engine_config(config), make_executor=RayExecutor)  # seconds
+        core = await asyncio.to_thread(EngineCore, replica_engine_config(config), make_executor=RayExecutor)  # seconds
         self._publisher = RouterPublisher(
             self.replica_id,
             RouterClient(context.app_name, config.routing_config, core.config.cache.block_size, create=False))
@@ -61,7 +61,7 @@ class EngineReplica:
             await self._publisher.close()
 
 
-def _engine_config(config: ClusterConfig) -> EngineConfig:
+def replica_engine_config(config: ClusterConfig) -> EngineConfig:
     """The engine's config; a tensor-parallel replica's ranks hold its GPUs, so its own actor sees none."""
     engine = config.engine
     if engine.tensor_parallel_size > 1 and engine.device is None and config.replica_num_gpus:

@@ -13,6 +13,7 @@ from ray.serve.exceptions import BackPressureError, ReplicaUnavailableError
 from cluster.app import build_app, engine_options
 from cluster.config import ClusterConfig
 from cluster.engine_client import EnginesBusy, ReplicaLost
+from cluster.engine_replica import replica_engine_config
 from cluster.ingress import ServeEngineClient
 from router.serve_router import PrefixAwareRequestRouter
 
@@ -49,6 +50,12 @@ def test_a_tensor_parallel_replica_is_a_placement_group_of_one_bundle_per_rank()
     assert (cpu_only["placement_group_bundles"], cpu_only["placement_group_strategy"]) == ([{"CPU": 0.25}] * 4,
                                                                                          "SPREAD")
     assert "placement_group_bundles" not in engine_options(ClusterConfig())
+
+
+def test_a_tensor_parallel_replica_on_gpus_computes_on_its_ranks_gpus_though_its_own_actor_has_none():
+    assert replica_engine_config(ClusterConfig(engine={"tensor_parallel_size": 2}, replica_num_gpus=2)).device == "cuda"
+    assert replica_engine_config(ClusterConfig(engine={"tensor_parallel_size": 2})).device is None  # CPU: as resolved
+    assert replica_engine_config(ClusterConfig(replica_num_gpus=1)).device is None  # its own actor has the GPU
 
 
 def test_the_router_assumes_what_the_engine_config_says():
