@@ -89,6 +89,23 @@ def test_two_ranks_give_one_process_tokens_batched_chunked_preempted_and_cached(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("options", [{"async_scheduling": True}, {"num_speculative_tokens": 3}])
+def test_two_ranks_schedule_asynchronously_and_verify_drafts(tmp_path, options):
+    """Async scheduling (the default on CUDA) and speculative decoding, whose accepted counts the ranks share."""
+    torch.manual_seed(0)
+    model_dir = save_checkpoint(MODELS["llama"]().eval(), tmp_path)[0]
+    one = LLM(str(model_dir), dtype="float32", num_kv_blocks=32)
+    prompts = [one.tokenizer.encode(text) for text in PROMPTS]
+    expected = [output.token_ids for output in one.generate(prompts, GREEDY)]
+    two = LLM(str(model_dir), dtype="float32", num_kv_blocks=32, max_num_batched_tokens=16, tensor_parallel_size=2,
+              **options)
+    try:
+        assert [output.token_ids for output in two.generate(prompts, GREEDY)] == expected
+    finally:
+        two.engine.shutdown()
+
+
+@pytest.mark.slow
 def test_a_rank_that_dies_fails_the_engine_instead_of_hanging(two_ranks):
     """Runs after the equality test on the same engine, whose ranks it kills."""
     processes = two_ranks.engine.runner._processes
