@@ -31,7 +31,7 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
     directory, _ = save_model("llama", tmp_path_factory)  # 4 query heads, 2 KV heads: one of each per rank
-    config = ClusterConfig(engine={"model": str(directory), "dtype": "float32", "num_kv_blocks": 128,
+    config = ClusterConfig(engine={"model": str(directory), "dtype": "float32", "device": "cpu", "num_kv_blocks": 128,
                                    "tensor_parallel_size": 2}, num_replicas=2)
     with served(config) as base_url:
         yield base_url, directory
@@ -53,7 +53,7 @@ def test_two_ranks_serve_the_tokens_of_one_process(app):
     base_url, directory = app
     assert {replica: len(pids) for replica, pids in rank_pids().items()} == {
         replica: 2 for replica in deployment_replicas()}
-    one_process = LLM(str(directory), dtype="float32", num_kv_blocks=32)
+    one_process = LLM(str(directory), dtype="float32", device="cpu", num_kv_blocks=32)
     with openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120) as client:
         for prompt in PROMPTS:
             completion = client.completions.create(model=directory.name, prompt=prompt, max_tokens=8, temperature=0,

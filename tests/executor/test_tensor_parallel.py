@@ -19,6 +19,7 @@ from tests.test_engine import PROMPTS as ENGINE_PROMPTS
 transformers = pytest.importorskip("transformers")
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+ON_CPU = {"dtype": "float32", "device": "cpu"}  # gloo, also where a GPU is: one rank would not have one of its own
 # 4 query heads over 2 KV heads (one each per rank); and over 1 KV head (replicated), a tied LM head, q/k/v
 # biases and a vocabulary of 259 (the second rank's slice padded)
 MODELS = {
@@ -67,7 +68,7 @@ def model_dir(request, tmp_path_factory):
 
 def tight_llm(model_dir, tensor_parallel_size: int) -> LLM:
     """6 usable blocks of 16 for sequences that grow to 2, 3 and 4 blocks; prefills in chunks of 8 tokens."""
-    return LLM(str(model_dir), dtype="float32", num_kv_blocks=7, max_num_batched_tokens=8,
+    return LLM(str(model_dir), **ON_CPU, num_kv_blocks=7, max_num_batched_tokens=8,
                reserve_full_sequence=False, tensor_parallel_size=tensor_parallel_size)
 
 
@@ -80,7 +81,7 @@ def two_ranks(model_dir):
 
 @pytest.mark.slow
 def test_two_ranks_give_one_process_tokens_batched_chunked_preempted_and_cached(model_dir, two_ranks):
-    one = LLM(str(model_dir), dtype="float32", num_kv_blocks=32)
+    one = LLM(str(model_dir), **ON_CPU, num_kv_blocks=32)
     prompts = [one.tokenizer.encode(text) for text in PROMPTS]
     expected = [output.token_ids for output in one.generate(prompts, GREEDY)]
     assert_tight_runs_give(tight_llm(model_dir, 1), prompts, GREEDY, expected)
@@ -94,10 +95,10 @@ def test_two_ranks_schedule_asynchronously_and_verify_drafts(tmp_path, options):
     """Async scheduling (the default on CUDA) and speculative decoding, whose accepted counts the ranks share."""
     torch.manual_seed(0)
     model_dir = save_checkpoint(MODELS["llama"]().eval(), tmp_path)[0]
-    one = LLM(str(model_dir), dtype="float32", num_kv_blocks=32)
+    one = LLM(str(model_dir), **ON_CPU, num_kv_blocks=32)
     prompts = [one.tokenizer.encode(text) for text in PROMPTS]
     expected = [output.token_ids for output in one.generate(prompts, GREEDY)]
-    two = LLM(str(model_dir), dtype="float32", num_kv_blocks=32, max_num_batched_tokens=16, tensor_parallel_size=2,
+    two = LLM(str(model_dir), **ON_CPU, num_kv_blocks=32, max_num_batched_tokens=16, tensor_parallel_size=2,
               **options)
     try:
         assert [output.token_ids for output in two.generate(prompts, GREEDY)] == expected
@@ -120,10 +121,10 @@ def test_a_rank_that_dies_fails_the_engine_instead_of_hanging(two_ranks):
 @pytest.mark.slow
 def test_the_default_model_splits_over_three_ranks():
     """SmolLM2-135M's 9 query heads and 3 KV heads: 3 and 1 on each rank, with one process's greedy tokens."""
-    one = LLM(dtype="float32", num_kv_blocks=64)
+    one = LLM(**ON_CPU, num_kv_blocks=64)
     expected = [output.token_ids for output in one.generate(ENGINE_PROMPTS, GREEDY)]
     # 4 usable blocks of 16 for sequences of 1, 1, 3 and 1 blocks; prefills in chunks of 8 tokens
-    three = LLM(dtype="float32", num_kv_blocks=5, max_num_batched_tokens=8, reserve_full_sequence=False,
+    three = LLM(**ON_CPU, num_kv_blocks=5, max_num_batched_tokens=8, reserve_full_sequence=False,
                 tensor_parallel_size=3)
     try:
         assert [output.token_ids for output in three.generate(ENGINE_PROMPTS, GREEDY)] == expected
