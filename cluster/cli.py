@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--served-model-name", help="model name in the API (default: from the model file)")
     model.add_argument("--dtype", help="float32, bfloat16 or float16 (default: bfloat16 where the hardware has it)")
     model.add_argument("--device", help="cpu or cuda (default: cuda if available)")
+    model.add_argument("--enforce-eager", action="store_true",
+                       help="on CUDA, launch every kernel from Python instead of replaying decode CUDA graphs")
 
     cache = serve.add_argument_group("KV cache")
     size = cache.add_mutually_exclusive_group()
@@ -90,7 +92,7 @@ def config_from_args(args: argparse.Namespace):
 
     engine = {
         "model": args.model, "served_model_name": args.served_model_name, "dtype": args.dtype,
-        "device": args.device, "max_model_len": args.max_model_len,
+        "device": args.device, "enforce_eager": args.enforce_eager, "max_model_len": args.max_model_len,
         "num_speculative_tokens": args.num_speculative_tokens, "ngram_min": args.ngram_min, "ngram_max": args.ngram_max,
         "cache": {"block_size": args.block_size, "num_kv_blocks": args.num_kv_blocks,
                   "kv_cache_memory_gib": args.kv_cache_gib, "enable_prefix_caching": not args.no_prefix_caching},

@@ -31,6 +31,9 @@ class EngineConfig(pydantic.BaseModel):
     dtype: Literal[DTYPES] | None = None  # None: bfloat16 on CUDA and on CPUs with native bf16 matmuls
     device: str | None = None  # None: cuda if available else cpu
     backend: Literal["auto", "triton", "cpu", "torch"] = "auto"  # auto: triton on cuda, else cpu (C++) if it builds
+    # On CUDA, decode steps replay CUDA graphs captured at start-up (one per batch size up to
+    # max_num_seqs); enforce_eager launches every kernel from Python instead, as vLLM's flag does.
+    enforce_eager: bool = False
     # The scheduler's max_model_len is derived from the model and the KV cache: set the one above.
     scheduler: SchedulerConfig = pydantic.Field(default_factory=SchedulerConfig)
     cache: CacheConfig = pydantic.Field(default_factory=CacheConfig)

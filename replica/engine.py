@@ -12,6 +12,7 @@ from kernels import Backend, get_ops
 from kernels.cpu import library as cpu_kernels
 from replica.executor.checkpoint import Checkpoint, load_checkpoint
 from replica.executor.cpu_allocator import keep_freed_memory
+from replica.executor.cuda_graphs import DecodeGraphs
 from replica.executor.detokenizer import IncrementalDetokenizer
 from replica.executor.model import LlamaForCausalLM
 from replica.executor.model_runner import ModelRunner
@@ -69,7 +70,8 @@ class EngineCore:
         self.tokenizer = checkpoint.tokenizer
         self.model_config = checkpoint.config
         self.model_name = config.served_model_name or checkpoint.name
-        model = self._build_model(checkpoint, dtype, device)
+        backend = resolve_backend(config.backend, device, checkpoint.config.head_dim)
+        model = self._build_model(checkpoint, dtype, device, backend)
 
         cache = config.cache
         num_blocks = cache.num_kv_blocks or num_blocks_for_budget(
@@ -89,7 +91,7 @@ class EngineCore:
         self._proposer = NgramProposer(config.num_speculative_tokens, config.ngram_min, config.ngram_max) \
             if config.num_speculative_tokens else None
         kv_caches = allocate_kv_caches(checkpoint.config, num_blocks, cache.block_size, dtype, device)
-        self.runner = ModelRunner(model, kv_caches, cache.block_size)
+        self.runner = ModelRunner(model, kv_caches, cache.block_size, self._decode_graphs(model, kv_caches, backend))
         self._runner_thread = ThreadPoolExecutor(1, thread_name_prefix="model-runner") \
             if async_scheduling else None
         self._in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
@@ -99,12 +101,19 @@ class EngineCore:
                     cache.block_size, "num_kv_blocks" if cache.num_kv_blocks else
                     f"{cache.kv_cache_memory_gib} GiB", self.max_model_len)
 
-    def _build_model(self, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-        backend = resolve_backend(self.config.backend, device, checkpoint.config.head_dim)
+    def _build_model(self, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
+                     backend: Backend) -> LlamaForCausalLM:
         model = build_model(checkpoint, dtype=dtype, device=device, ops=get_ops(backend))
         logger.info("%s on %s: %s, %s kernels", self.model_name, device, str(dtype).removeprefix("torch."),
                     backend)
         return model
+
+    def _decode_graphs(self, model: LlamaForCausalLM, kv_caches: list, backend: Backend) -> DecodeGraphs | None:
+        # the torch reference kernels sync with the host (boolean masks): only Triton's can be captured
+        if backend != "triton" or kv_caches[0][0].device.type != "cuda" or self.config.enforce_eager:
+            return None
+        return DecodeGraphs(model, kv_caches, self.config.scheduler.max_num_seqs,
+                            -(-self.max_model_len // self.config.cache.block_size))
 
     def _max_model_len(self, num_blocks: int) -> int:
         context_len = self.model_config.max_position

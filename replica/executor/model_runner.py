@@ -9,6 +9,7 @@ the rejection sampler.
 """
 import torch
 
+from replica.executor.cuda_graphs import DecodeGraphs
 from replica.executor.input_batch import BatchInputs, RequestState, order_decodes_first, prepare_inputs
 from replica.executor.model import KVCache, LlamaForCausalLM
 from replica.executor.rejection_sampler import num_emitted, rejection_sample
@@ -17,10 +18,12 @@ from replica.scheduler import ModelRunnerOutput, SchedulerOutput
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], block_size: int):
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], block_size: int,
+                 decode_graphs: DecodeGraphs | None = None):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
+        self.decode_graphs = decode_graphs
         self.device = kv_caches[0][0].device
         self.requests: dict[str, RequestState] = {}
 
@@ -33,7 +36,7 @@ class ModelRunner:
         req_ids = order_decodes_first(list(num_scheduled), num_scheduled)
         states = [self.requests[req_id] for req_id in req_ids]
         batch = prepare_inputs(states, [num_scheduled[req_id] for req_id in req_ids], self.block_size, self.device)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attention)
+        hidden = self._forward(batch)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         sampling = [states[row] for row in batch.sample_rows]
         num_drafts = [len(state.spec_token_ids) for state in sampling]
@@ -50,6 +53,13 @@ class ModelRunner:
         else:
             sampled, counts = sample(logits, metadata), [1] * len(sampling)
         return self._make_output(batch, sampling, sampled, num_drafts, counts)
+
+    def _forward(self, batch: BatchInputs) -> torch.Tensor:
+        if self.decode_graphs is not None:
+            hidden = self.decode_graphs.run(batch.input_ids, batch.positions, batch.attention)
+            if hidden is not None:
+                return hidden
+        return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attention)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for req_id in scheduler_output.finished_req_ids:
