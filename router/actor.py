@@ -4,8 +4,11 @@ Engine replicas publish to it as they step (numbered KV event batches, stats, th
 finished; cluster/publisher.py). It keeps them in a Router, so that it knows every replica's state,
 and records them in a feed that every ingress replica's request router follows, off the request
 path: each ingress routes in its own process on its own copy of that view, and shares its bookings
-through the same feed (router/feed.py). Its methods are synchronous and short, so Ray runs them one
-at a time in the order each caller sent them: a replica's batches arrive in sequence.
+through the same feed (router/feed.py). A follower with nothing new to read is held (follow's
+wait_s) until there is something, so an idle ingress costs next to nothing and news reaches it at once.
+That makes it an async actor: Ray runs all its methods on one event loop thread, the synchronous
+ones (publish, resync, remove_replica) whole and in the order each caller sent them, so a replica's
+batches still arrive in sequence (and a replica has one in flight at a time anyway).
 
 The actor is named after the Serve app and its routing config, and created by an ingress's process
 (whichever asks first: get_if_exists). It dies with that process, so it never outlives the app;
@@ -20,7 +23,7 @@ import ray
 import xxhash
 from ray.actor import ActorHandle
 
-from router.feed import FeedingRouter
+from router.feed import FeedingRouter, FeedUpdate, SharedBooking
 from router.policy import PolicyConfig
 
 NAMESPACE = "prefixserve"
@@ -32,6 +35,15 @@ class RouterActor(FeedingRouter):
         # Everything imported so far lives as long as the actor: keep the collector off it, so that
         # a full collection walks only what routing creates (the index itself holds no containers).
         gc.freeze()
+
+    async def follow(self, follower: str, epoch: str | None, cursor: int, bookings: list[SharedBooking],
+                     wait_s: float = 0.0) -> FeedUpdate:
+        """FeedingRouter.follow; with nothing new for the follower, held until there is or wait_s passes."""
+        update = super().follow(follower, epoch, cursor, bookings)
+        if update.entries or update.states is not None or wait_s <= 0:
+            return update
+        await self.feed.wait_past(update.cursor, wait_s)
+        return super().follow(follower, update.epoch, update.cursor, [])
 
 
 def router_actor_name(app_name: str, config: PolicyConfig, block_size: int) -> str:
