@@ -31,11 +31,12 @@ class EngineReplica:
                          hash_seed=core.config.cache.hash_seed)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
-        """An empty output naming this replica, then the request's; a caller going away aborts it."""
+        """The request's outputs, the first naming this replica; a caller going away aborts it."""
         num_cached_tokens = None
         try:
-            yield EngineOutput(request.request_id, replica_id=self.replica_id)
             async for output in self._engine.generate(request):
+                if num_cached_tokens is None:  # the first output
+                    output.replica_id = self.replica_id
                 num_cached_tokens = output.num_cached_tokens
                 yield output
         finally:

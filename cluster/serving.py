@@ -8,6 +8,7 @@ if its own is lost (migration.py). Ray-free: the Serve ingress plugs in a client
 engine deployment; tests plug in a fake.
 """
 import asyncio
+import contextlib
 import logging
 import math
 import uuid
@@ -59,9 +60,8 @@ class _Progress:
 
     def add(self, output: EngineOutput) -> list[TokenLogprob] | None:
         """Takes the output in; returns its tokens with their logprobs, if the request asked for them."""
-        if output.replica_id is not None:  # migrated: another replica's part of the stream opens
+        if output.replica_id is not None:  # a replica's first output: the request's, or its part after a migration
             self.tracker.replica_id = output.replica_id
-            return None
         if not self.num_tokens:  # the prompt's hit; a migrated request's later hits cover its output too
             self.num_cached_tokens = output.num_cached_tokens
         self.text.append(output.new_text)
@@ -169,14 +169,15 @@ class OpenAIServing:
         body, response_format = prepared.body, prepared.response_format
         outputs = self.engine.generate(prepared.request)
         try:
-            replica_id = (await anext(outputs)).replica_id
-        except (EnginesBusy, ReplicaLost) as exc:
+            first = await anext(outputs)
+        except ENGINE_ERRORS as exc:
             raise engine_error(exc) from None
-        progress = _Progress(RequestTracker(self.metrics, replica_id, arrival_time), self._token_text,
+        progress = _Progress(RequestTracker(self.metrics, first.replica_id, arrival_time), self._token_text,
                              [] if prepared.request.params.logprobs else None)
+        outputs = _resumed(first, outputs)
         if body.stream:
             return StreamingResponse(self._stream(outputs, response_format, progress, body.include_usage),
-                                     media_type="text/event-stream", headers={REPLICA_HEADER: replica_id})
+                                     media_type="text/event-stream", headers={REPLICA_HEADER: first.replica_id})
         await self._collect(outputs, progress)
         return JSONResponse(response_format.response("".join(progress.text), progress.finish_reason,
                                                      progress.usage(), progress.logprobs),
@@ -246,6 +247,15 @@ class OpenAIServing:
         if not all(0 <= token_id < vocab_size for token_id in token_ids):
             raise APIError(f"prompt token ids must lie in [0, {vocab_size})", param="prompt")
         return token_ids
+
+
+async def _resumed(first: EngineOutput, rest: AsyncGenerator[EngineOutput, None]
+                   ) -> AsyncGenerator[EngineOutput, None]:
+    """first, then the rest of the stream it was taken from (closed with this one)."""
+    async with contextlib.aclosing(rest):
+        yield first
+        async for output in rest:
+            yield output
 
 
 def internal_error() -> APIError:

@@ -164,12 +164,22 @@ def test_chat_stream_is_server_sent_events_ending_with_done():
 
 
 def test_engine_failure_mid_stream_is_an_error_event_then_done():
-    engine = FakeEngineClient(error=ValueError("the engine refused it"))
+    engine = FakeEngineClient(error=ValueError("the engine failed"), error_after=1)
     response = request(make_app(engine), "POST", "/v1/completions",
                        json={"model": MODEL, "prompt": "hello", "stream": True})
     assert response.status_code == 200
-    assert response.text == ('data: {"error": {"message": "the engine refused it", "type": "invalid_request_error", '
-                             '"param": null, "code": null}}\n\ndata: [DONE]\n\n')
+    first, *rest = response.text.split("\n\n", 1)
+    assert json.loads(first.removeprefix("data: "))["choices"][0]["text"] == "t0 "
+    assert rest == ['data: {"error": {"message": "the engine failed", "type": "invalid_request_error", '
+                    '"param": null, "code": null}}\n\ndata: [DONE]\n\n']
+
+
+def test_engine_refusing_a_stream_before_its_first_output_is_a_400():
+    engine = FakeEngineClient(error=ValueError("the engine refused it"))
+    response = request(make_app(engine), "POST", "/v1/completions",
+                       json={"model": MODEL, "prompt": "hello", "stream": True})
+    assert (response.status_code, response.json()) == (400, {"error": {
+        "message": "the engine refused it", "type": "invalid_request_error", "param": None, "code": None}})
 
 
 @pytest.mark.parametrize("stream", [False, True])
