@@ -10,7 +10,7 @@ import pytest
 from cluster.api import build_api
 from cluster.metrics import ServingMetrics
 from cluster.protocol import REPLICA_HEADER
-from cluster.serving import OpenAIServing
+from cluster.serving import INLINE_PREPARE_BYTES, OpenAIServing
 from replica.async_engine import ModelInfo
 from replica.kv_cache import hash_token_blocks
 from replica.request import SamplingParams
@@ -249,7 +249,8 @@ def test_tokenizing_a_huge_prompt_holds_up_no_other_request(path, body):
     finished = []
 
     async def send(client: httpx.AsyncClient, prompt: str) -> None:
-        response = await client.post(path, json={"model": MODEL, "max_tokens": 2, **body(prompt)})
+        padding = "x" * INLINE_PREPARE_BYTES if prompt == BlockingTokenizer.HUGE else ""  # as large as a huge one
+        response = await client.post(path, json={"model": MODEL, "max_tokens": 2, "user": padding, **body(prompt)})
         finished.append((prompt, response.status_code))
 
     async def test():
