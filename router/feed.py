@@ -5,10 +5,8 @@ removal, exactly as it was called, and the bookings each follower shares. A foll
 entries after its cursor and replays them on its own Router: the same calls in the same order, so
 its view of every replica is the owner's, gaps and resyncs included. A follower the feed no longer
 reaches back to (it fell behind, or the owner restarted: a new epoch) gets every replica's state
-instead and goes on from there. A follower with nothing to read may wait for the next entry
-(wait_past) instead of asking again and again. No Ray here: the actor, simulators and tests share it.
+instead and goes on from there. No Ray here: the actor, simulators and tests share it.
 """
-import asyncio
 import uuid
 from collections import deque
 from collections.abc import Sequence
@@ -78,7 +76,6 @@ class RouterFeed:
         self.epoch = uuid.uuid4().hex
         self._entries: deque[Entry] = deque(maxlen=max_entries)
         self._cursor = 0  # entries recorded so far
-        self._waiters: set[asyncio.Future] = set()  # wait_past calls, woken by the next entry
 
     @property
     def cursor(self) -> int:
@@ -87,20 +84,6 @@ class RouterFeed:
     def record(self, entry: Entry) -> None:
         self._entries.append(entry)
         self._cursor += 1
-        for waiter in self._waiters:
-            waiter.set_result(None)
-        self._waiters.clear()
-
-    async def wait_past(self, cursor: int, timeout_s: float) -> None:
-        """Returns once there is an entry after cursor (at once if there is one already), or after timeout_s."""
-        if cursor != self._cursor:
-            return
-        waiter = asyncio.get_running_loop().create_future()
-        self._waiters.add(waiter)
-        try:
-            await asyncio.wait([waiter], timeout=timeout_s)
-        finally:
-            self._waiters.discard(waiter)
 
     def since(self, epoch: str | None, cursor: int, router: Router) -> FeedUpdate:
         """The entries after cursor; every replica's state from router (the owner's) if they are gone."""

@@ -1,8 +1,5 @@
 """The router feed: followers replaying the owner's reports see every replica as the owner does, and
 count each other's bookings."""
-import asyncio
-import time
-
 from replica.kv_cache import AllBlocksCleared
 from router import FinishedRequest, PolicyConfig, Router
 from router.feed import FeedingRouter, SharedBooking, replay
@@ -116,17 +113,3 @@ def test_a_follower_is_past_its_own_bookings_once_it_has_shared_them():
     assert follower.sync().cursor == owner.feed.cursor == 1
     assert follower.sync().entries == []
 
-
-def test_waiting_past_a_cursor_ends_with_the_next_entry_or_the_timeout():
-    async def main():
-        owner = FeedingRouter(CONFIG, BLOCK_SIZE)
-        waiting = asyncio.create_task(owner.feed.wait_past(0, timeout_s=10))
-        await asyncio.sleep(0.01)
-        assert not waiting.done()
-        owner.publish("a", 1, [], stats(), [])
-        await asyncio.wait_for(waiting, timeout=1)
-        await asyncio.wait_for(owner.feed.wait_past(0, timeout_s=10), timeout=1)  # behind: at once
-        started = time.monotonic()
-        await owner.feed.wait_past(1, timeout_s=0.05)
-        return time.monotonic() - started
-    assert 0.05 <= asyncio.run(main()) < 1
