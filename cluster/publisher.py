@@ -1,13 +1,14 @@
 """RouterPublisher: an engine replica's side of the router protocol.
 
-Between two engine steps the engine loop records what the step changed (its KV events, its
-stats) and the publisher adds the requests that finished; it never waits for the router. One
-sender task sends that to the router actor as batch seq = 1, 2, 3..., one batch in flight at a
-time, and no sooner than send_interval_s after the last one was sent: whatever accumulated
-meanwhile goes as the next one, so a slow router or a busy engine sends fewer, larger batches. A reply saying the router lost track (a gap, a router that
-restarted), a batch that failed, or a router that cannot be found makes the next batch a
-resync: the replica's full list of cached block hashes, read at the next step boundary, instead
-of events. An unreachable router is looked up again no sooner than retry_interval_s later.
+Between two engine steps the engine loop records what the step changed (its KV events, its stats)
+and the publisher adds the requests that finished; it never waits for the router. One sender task
+sends that to the router actor as batch seq = 1, 2, 3..., one batch in flight at a time, and no
+sooner than send_interval_s after the last one was sent: whatever accumulated meanwhile goes as the
+next one, so a slow router or a busy engine sends fewer, larger batches. A reply saying the router
+lost track (a gap, a router that restarted), a batch that failed, or a router that cannot be found
+makes the next batch a resync: the replica's full list of cached block hashes, read at the next step
+boundary, instead of events. An unreachable router is looked up again no sooner than
+retry_interval_s later.
 """
 import asyncio
 import logging

@@ -4,8 +4,8 @@ It parses each request body, tokenizes its prompt once (chat template applied), 
 the model's limits and hashes its full blocks exactly as the replicas do (so the router can match
 them against their caches), in worker threads off the event loop that streams every response (a
 small body, which takes less than the handoff, on the loop); then it hands token ids and hashes to
-an engine client, which moves the request to another replica if its own is lost (migration.py). Ray-free: the Serve ingress plugs in a client that calls the
-engine deployment; tests plug in a fake.
+an engine client, which moves the request to another replica if its own is lost (migration.py).
+Ray-free: the Serve ingress plugs in a client that calls the engine deployment; tests plug in a fake.
 """
 import asyncio
 import contextlib

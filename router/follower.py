@@ -4,8 +4,9 @@ Requests are routed on it in this process, with no call to another one. A backgr
 each sync sends the bookings made here since the last one and replays what the engines reported
 meanwhile (router/feed.py). With nothing new, the router actor holds a sync until there is (a long
 poll of up to LONG_POLL_S), so an idle ingress makes about one call a second; a sync follows the
-last one's answer no sooner than the interval, so a busy feed is read at most once per interval. While the actor is slow or gone, routing goes on with the last
-view, and this process's own bookings keep counting.
+last one's answer no sooner than the interval, so a busy feed is read at most once per interval.
+While the actor is slow or gone, routing goes on with the last view, and this process's own bookings
+keep counting.
 """
 import asyncio
 import logging
