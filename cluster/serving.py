@@ -8,7 +8,6 @@ an engine client, which moves the request to another replica if its own is lost 
 Ray-free: the Serve ingress plugs in a client that calls the engine deployment; tests plug in a fake.
 """
 import asyncio
-import contextlib
 import logging
 import math
 import uuid
@@ -179,11 +178,10 @@ class OpenAIServing:
             raise engine_error(exc) from None
         progress = _Progress(RequestTracker(self.metrics, first.replica_id, arrival_time), self._token_text,
                              [] if prepared.request.params.logprobs else None)
-        outputs = _resumed(first, outputs)
         if body.stream:
-            return StreamingResponse(self._stream(outputs, response_format, progress, body.include_usage),
+            return StreamingResponse(self._stream(first, outputs, response_format, progress, body.include_usage),
                                      media_type="text/event-stream", headers={REPLICA_HEADER: first.replica_id})
-        await self._collect(outputs, progress)
+        await self._collect(first, outputs, progress)
         return JSONResponse(response_format.response("".join(progress.text), progress.finish_reason,
                                                      progress.usage(), progress.logprobs),
                             headers={REPLICA_HEADER: progress.tracker.replica_id})  # the last, if it migrated
@@ -212,21 +210,24 @@ class OpenAIServing:
         except pydantic.ValidationError as exc:
             raise APIError(describe(exc)) from None
 
-    async def _collect(self, outputs: AsyncGenerator[EngineOutput, None], progress: _Progress) -> None:
+    async def _collect(self, first: EngineOutput, outputs: AsyncGenerator[EngineOutput, None],
+                       progress: _Progress) -> None:
+        """outputs: the rest of the stream whose first output was first."""
         try:
-            async for output in outputs:
+            async for output in _resumed(first, outputs):
                 progress.add(output)
         except ENGINE_ERRORS as exc:
             raise engine_error(exc) from None
         finally:
             await outputs.aclose()
 
-    async def _stream(self, outputs: AsyncGenerator[EngineOutput, None], response_format: ResponseFormat,
-                      progress: _Progress, include_usage: bool) -> AsyncIterator[str]:
+    async def _stream(self, first: EngineOutput, outputs: AsyncGenerator[EngineOutput, None],
+                      response_format: ResponseFormat, progress: _Progress, include_usage: bool) -> AsyncIterator[str]:
+        """As _collect, as server-sent events."""
         try:
             for chunk in response_format.opening_chunks():
                 yield chunk
-            async for output in outputs:
+            async for output in _resumed(first, outputs):
                 logprobs = progress.add(output)
                 if output.new_text or output.finished or logprobs:
                     yield response_format.chunk(output.new_text, output.finish_reason, logprobs)
@@ -254,13 +255,11 @@ class OpenAIServing:
         return token_ids
 
 
-async def _resumed(first: EngineOutput, rest: AsyncGenerator[EngineOutput, None]
-                   ) -> AsyncGenerator[EngineOutput, None]:
-    """first, then the rest of the stream it was taken from (closed with this one)."""
-    async with contextlib.aclosing(rest):
-        yield first
-        async for output in rest:
-            yield output
+async def _resumed(first: EngineOutput, rest: AsyncIterator[EngineOutput]) -> AsyncIterator[EngineOutput]:
+    """first, then the rest of the stream it was taken from; closing that stream stays the caller's."""
+    yield first
+    async for output in rest:
+        yield output
 
 
 def internal_error() -> APIError:

@@ -225,6 +225,24 @@ def test_closing_a_stream_early_abandons_the_engine_stream_and_migrates_nothing(
     assert len(engine.requests) == 1
 
 
+def test_leaving_a_chat_stream_after_its_opening_chunk_abandons_the_engine_stream_at_once():
+    engine = FakeEngineClient()
+    serving = OpenAIServing(engine, FakeTokenizer(), ModelInfo(MODEL, MAX_MODEL_LEN, VOCAB_SIZE, BLOCK_SIZE),
+                            ServingMetrics())
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40,
+                       "stream": True}).encode()
+
+    async def read_the_opening_chunk_then_disconnect():
+        response = await serving.create_chat_completion(body, arrival_time=0.0)
+        opening = await anext(response.body_iterator)
+        await response.body_iterator.aclose()
+        return opening, list(engine.abandoned)  # before the loop's shutdown would close what is left
+
+    opening, abandoned = asyncio.run(read_the_opening_chunk_then_disconnect())
+    assert '"role": "assistant"' in opening
+    assert abandoned == [engine.requests[0].request_id]
+
+
 class BlockingTokenizer(FakeTokenizer):
     """Tokenizing a text with HUGE in it lasts until release is set, as a 100k-token prompt's would."""
     HUGE = "huge"
