@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs reserved per engine replica (default: %(default)s)")
     cluster.add_argument("--replica-gpus", type=float, default=0.0, help="GPUs reserved per engine replica (default: %(default)s)")
     cluster.add_argument("--router-sync-interval-s", type=float, default=0.02,
-                         help="seconds between an ingress replica's syncs of its routing view (default: %(default)s)")
+                         help="least seconds between an ingress replica's syncs of its routing view; a sync with "
+                              "nothing new waits for news (default: %(default)s)")
     cluster.add_argument("--routing-policy", choices=["prefix", "round_robin", "least_loaded"], default="prefix",
                          help="how requests are spread over the replicas (default: %(default)s)")
     cluster.add_argument("--max-waiting-requests", type=int, default=256,

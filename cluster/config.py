@@ -22,7 +22,8 @@ class ClusterConfig(pydantic.BaseModel):
     api_key: str | None = None  # None: PREFIXSERVE_API_KEY from the ingress's environment, if set
     replica_num_cpus: float = pydantic.Field(1.0, ge=0)
     replica_num_gpus: float = pydantic.Field(0.0, ge=0)
-    # How often each ingress replica syncs its routing view with the router feed (engines' reports, others' bookings).
+    # The least time between two of an ingress replica's syncs of its routing view with the router feed (engines'
+    # reports, others' bookings); a sync with nothing new is held until there is news.
     router_sync_interval_s: float = pydantic.Field(0.02, gt=0)
     # Requests an engine replica takes beyond its running set (max_num_seqs); more wait in the ingress.
     max_waiting_requests: int = pydantic.Field(256, ge=0)
