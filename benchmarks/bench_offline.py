@@ -255,11 +255,11 @@ def print_setting(args: argparse.Namespace, workload: Workload, dtype: torch.dty
 
 
 def start_prefixserve(args: argparse.Namespace, model: str | None, workload: Workload,
-                      async_scheduling: bool = False) -> tuple[LLM, float]:
+                      **engine_args) -> tuple[LLM, float]:
     """The engine, warmed up on two reversed prompts (no prefix-cache hits later), and the seconds that took."""
     start = time.perf_counter()
     llm = LLM(model, dtype=args.dtype, device=args.device, max_num_batched_tokens=args.max_num_batched_tokens,
-              backend=args.backend, kv_cache_memory_gib=args.kv_cache_gib, async_scheduling=async_scheduling)
+              backend=args.backend, kv_cache_memory_gib=args.kv_cache_gib, **engine_args)
     llm.generate([prompt[::-1] for prompt in workload.prompts[:2]], SamplingParams(max_tokens=4, temperature=0))
     return llm, time.perf_counter() - start
 

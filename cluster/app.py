@@ -4,6 +4,7 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 from ray.serve.config import BackpressureConfig, RequestRouterConfig
+from ray.serve.schema import LoggingConfig
 
 from cluster.config import ClusterConfig
 from cluster.engine_replica import EngineReplica
@@ -14,6 +15,9 @@ APP_NAME = "prefixserve"
 INGRESS_MAX_ONGOING_REQUESTS = 4096
 RETRY_AFTER_S = 1.0  # what a 429 tells the client to wait
 ROUTING_STATS_PERIOD_S = 2.0
+# Serve's proxy logs every HTTP request already; a replica's own line per request (an ingress's, and an
+# engine's per handle call) repeats it at a few percent of the replica's CPU.
+REPLICA_LOGGING = LoggingConfig(enable_access_log=False)
 
 
 def build_app(args: dict[str, Any]) -> Application:
@@ -25,7 +29,7 @@ def build(config: ClusterConfig) -> Application:
     engine = serve.deployment(EngineReplica, name="engine").options(**engine_options(config))
     ingress = serve.deployment(Ingress, name="ingress").options(
         num_replicas=config.ingress_replicas, max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
-        ray_actor_options={"num_cpus": 0})
+        ray_actor_options={"num_cpus": 0}, logging_config=REPLICA_LOGGING)
     return ingress.bind(engine.bind(config), config)
 
 
@@ -42,6 +46,7 @@ def engine_options(config: ClusterConfig) -> dict[str, Any]:
         "backpressure_config": BackpressureConfig(status_code=429, retry_after_s=RETRY_AFTER_S),
         "ray_actor_options": {"num_cpus": config.replica_num_cpus, "num_gpus": config.replica_num_gpus},
         "request_router_config": router_config,
+        "logging_config": REPLICA_LOGGING,
     }
     if config.engine.tensor_parallel_size > 1:
         options.update(placement_options(config))

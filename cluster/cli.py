@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
                          default="STRICT_PACK", help="how the ranks of a replica are placed on the nodes (default: "
                                                      "%(default)s, one node)")
     cluster.add_argument("--router-sync-interval-s", type=float, default=0.02,
-                         help="seconds between an ingress replica's syncs of its routing view (default: %(default)s)")
+                         help="least seconds between an ingress replica's syncs of its routing view; a sync with "
+                              "nothing new waits for news (default: %(default)s)")
     cluster.add_argument("--routing-policy", choices=["prefix", "round_robin", "least_loaded"], default="prefix",
                          help="how requests are spread over the replicas (default: %(default)s)")
     cluster.add_argument("--max-waiting-requests", type=int, default=256,
@@ -65,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--tensor-parallel-size", type=int, default=1,
                        help="ranks each replica splits the model over, a process (and a GPU) each "
                             "(default: %(default)s)")
+    model.add_argument("--enforce-eager", action="store_true",
+                       help="on CUDA, launch every kernel from Python instead of replaying decode CUDA graphs")
 
     cache = serve.add_argument_group("KV cache")
     size = cache.add_mutually_exclusive_group()
@@ -100,7 +103,8 @@ def config_from_args(args: argparse.Namespace):
 
     engine = {
         "model": args.model, "served_model_name": args.served_model_name, "dtype": args.dtype,
-        "device": args.device, "max_model_len": args.max_model_len, "tensor_parallel_size": args.tensor_parallel_size,
+        "device": args.device, "enforce_eager": args.enforce_eager, "max_model_len": args.max_model_len,
+        "tensor_parallel_size": args.tensor_parallel_size,
         "num_speculative_tokens": args.num_speculative_tokens, "ngram_min": args.ngram_min, "ngram_max": args.ngram_max,
         "cache": {"block_size": args.block_size, "num_kv_blocks": args.num_kv_blocks,
                   "kv_cache_memory_gib": args.kv_cache_gib, "enable_prefix_caching": not args.no_prefix_caching},

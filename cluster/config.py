@@ -26,7 +26,8 @@ class ClusterConfig(pydantic.BaseModel):
     replica_num_gpus: float = pydantic.Field(0.0, ge=0)
     # How a replica's rank bundles are placed: STRICT_PACK keeps them on one node (NCCL over NVLink / PCIe).
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
-    # How often each ingress replica syncs its routing view with the router feed (engines' reports, others' bookings).
+    # The least time between two of an ingress replica's syncs of its routing view with the router feed (engines'
+    # reports, others' bookings); a sync with nothing new is held until there is news.
     router_sync_interval_s: float = pydantic.Field(0.02, gt=0)
     # Requests an engine replica takes beyond its running set (max_num_seqs); more wait in the ingress.
     max_waiting_requests: int = pydantic.Field(256, ge=0)

@@ -19,5 +19,5 @@ class ReplicaLost(Exception):
 
 class EngineClient(Protocol):
     def generate(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
-        """An empty output naming the replica serving the request, then its outputs up to a finished one;
-        EnginesBusy instead of the first when there is no room for it; ReplicaLost when its replica is gone."""
+        """The request's outputs up to a finished one, the first naming the replica serving it; EnginesBusy
+        instead of the first when there is no room for it; ReplicaLost when its replica is gone."""

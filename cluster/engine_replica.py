@@ -14,6 +14,10 @@ from replica.config import EngineConfig
 from replica.engine import EngineCore
 from router.actor import RouterClient
 
+# The least time between two of a replica's reports to the router actor: each is an actor call, which costs
+# both sides far more than what it carries; ingress replicas read the reports every 20 ms by default.
+PUBLISH_INTERVAL_S = 0.01
+
 
 class EngineReplica:
     async def __init__(self, config: ClusterConfig):
@@ -23,7 +27,8 @@ class EngineReplica:
         core = await asyncio.to_thread(EngineCore, replica_engine_config(config), make_executor=RayExecutor)  # seconds
         self._publisher = RouterPublisher(
             self.replica_id,
-            RouterClient(context.app_name, config.routing_config, core.config.cache.block_size, create=False))
+            RouterClient(context.app_name, config.routing_config, core.config.cache.block_size, create=False),
+            send_interval_s=PUBLISH_INTERVAL_S)
         self._engine = AsyncEngine(core, after_step=functools.partial(self._publisher.record, core))
 
     def model_info(self) -> ModelInfo:
@@ -33,11 +38,12 @@ class EngineReplica:
                          hash_seed=core.config.cache.hash_seed)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
-        """An empty output naming this replica, then the request's; a caller going away aborts it."""
+        """The request's outputs, the first naming this replica; a caller going away aborts it."""
         num_cached_tokens = None
         try:
-            yield EngineOutput(request.request_id, replica_id=self.replica_id)
             async for output in self._engine.generate(request):
+                if num_cached_tokens is None:  # the first output
+                    output.replica_id = self.replica_id
                 num_cached_tokens = output.num_cached_tokens
                 yield output
         finally:

@@ -4,7 +4,7 @@ The continuation is the same request carrying those tokens as output_token_ids, 
 prompt + output so the router matches its longer prefix. The new replica recomputes them as after a
 preemption: they count against max_tokens, stop conditions see them, and its detokenizer releases the
 text the lost replica still held back (replica.engine.EngineCore.add_request). The caller reads one
-stream: each replica's outputs, each replica's part opening with the empty output that names it.
+stream: each replica's outputs, each replica's first output naming it.
 """
 import contextlib
 import dataclasses

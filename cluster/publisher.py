@@ -1,13 +1,14 @@
 """RouterPublisher: an engine replica's side of the router protocol.
 
-Between two engine steps the engine loop records what the step changed (its KV events, its
-stats) and the publisher adds the requests that finished; it never waits for the router. One
-sender task sends that to the router actor as batch seq = 1, 2, 3..., one batch in flight at a
-time: whatever accumulated while a batch was in flight goes as the next one, so a slow router
-gets fewer, larger batches. A reply saying the router lost track (a gap, a router that
-restarted), a batch that failed, or a router that cannot be found makes the next batch a
-resync: the replica's full list of cached block hashes, read at the next step boundary, instead
-of events. An unreachable router is looked up again no sooner than retry_interval_s later.
+Between two engine steps the engine loop records what the step changed (its KV events, its stats)
+and the publisher adds the requests that finished; it never waits for the router. One sender task
+sends that to the router actor as batch seq = 1, 2, 3..., one batch in flight at a time, and no
+sooner than send_interval_s after the last one was sent: whatever accumulated meanwhile goes as the
+next one, so a slow router or a busy engine sends fewer, larger batches. A reply saying the router
+lost track (a gap, a router that restarted), a batch that failed, or a router that cannot be found
+makes the next batch a resync: the replica's full list of cached block hashes, read at the next step
+boundary, instead of events. An unreachable router is looked up again no sooner than
+retry_interval_s later.
 """
 import asyncio
 import logging
@@ -29,11 +30,12 @@ logger = logging.getLogger("ray.serve.prefixserve.publisher")
 
 class RouterPublisher:
     def __init__(self, replica_id: str, router: RouterClient, *, retry_interval_s: float = 1.0,
-                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep):
+                 send_interval_s: float = 0.0, sleep: Callable[[float], Awaitable[None]] = asyncio.sleep):
         """Call on the event loop the engine runs on: it starts the sender task there."""
         self.replica_id = replica_id
         self._router = router
         self._retry_interval_s = retry_interval_s
+        self._send_interval_s = send_interval_s
         self._sleep = sleep
         self._seq = 0
         self._events: list[KVEvent] = []
@@ -66,14 +68,18 @@ class RouterPublisher:
         await asyncio.gather(self._sender, return_exceptions=True)
 
     async def _send_forever(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             await self._recorded.wait()
             self._recorded.clear()
             router = await self._find_router()
             if router is None:
                 await self._sleep(self._retry_interval_s)
-            else:
-                await self._send(router)
+                continue
+            sent_at = loop.time()
+            await self._send(router)
+            if (wait_s := sent_at + self._send_interval_s - loop.time()) > 0:
+                await asyncio.sleep(wait_s)
 
     async def _find_router(self) -> "ActorHandle | None":
         try:

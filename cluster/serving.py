@@ -2,10 +2,10 @@
 
 It parses each request body, tokenizes its prompt once (chat template applied), checks it against
 the model's limits and hashes its full blocks exactly as the replicas do (so the router can match
-them against their caches), all in worker threads, off the event loop that streams every response;
-then it hands token ids and hashes to an engine client, which moves the request to another replica
-if its own is lost (migration.py). Ray-free: the Serve ingress plugs in a client that calls the
-engine deployment; tests plug in a fake.
+them against their caches), in worker threads off the event loop that streams every response (a
+small body, which takes less than the handoff, on the loop); then it hands token ids and hashes to
+an engine client, which moves the request to another replica if its own is lost (migration.py).
+Ray-free: the Serve ingress plugs in a client that calls the engine deployment; tests plug in a fake.
 """
 import asyncio
 import logging
@@ -35,6 +35,9 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat
 # Threads that prepare requests (parse, template, tokenize, hash) off the event loop: more than one, so that
 # a long prompt does not hold up the short ones behind it.
 PREPARE_THREADS = 4
+# A body this small is prepared on the event loop: it takes at most about a millisecond (512 bytes of text to
+# tokenize), 32 token ids about 70 us, where the handoff to a thread costs about 120 us of its own.
+INLINE_PREPARE_BYTES = 512
 
 
 class Tokenizer(Protocol):
@@ -59,9 +62,8 @@ class _Progress:
 
     def add(self, output: EngineOutput) -> list[TokenLogprob] | None:
         """Takes the output in; returns its tokens with their logprobs, if the request asked for them."""
-        if output.replica_id is not None:  # migrated: another replica's part of the stream opens
+        if output.replica_id is not None:  # a replica's first output: the request's, or its part after a migration
             self.tracker.replica_id = output.replica_id
-            return None
         if not self.num_tokens:  # the prompt's hit; a migrated request's later hits cover its output too
             self.num_cached_tokens = output.num_cached_tokens
         self.text.append(output.new_text)
@@ -120,19 +122,21 @@ class OpenAIServing:
     async def create_completion(self, raw_body: bytes, arrival_time: float, session_id: str | None = None
                                 ) -> Response:
         """raw_body: the request's JSON; session_id: its X-Session-Id header, if the body names none."""
-        return await self._generate(await self._off_loop(self._prepare_completion, raw_body, session_id),
+        return await self._generate(await self._prepared(self._prepare_completion, raw_body, session_id),
                                     arrival_time)
 
     async def create_chat_completion(self, raw_body: bytes, arrival_time: float, session_id: str | None = None
                                      ) -> Response:
         """As create_completion."""
-        return await self._generate(await self._off_loop(self._prepare_chat_completion, raw_body, session_id),
+        return await self._generate(await self._prepared(self._prepare_chat_completion, raw_body, session_id),
                                     arrival_time)
 
-    async def _off_loop(self, prepare: Callable[[bytes, str | None], _Prepared], raw_body: bytes,
+    async def _prepared(self, prepare: Callable[[bytes, str | None], _Prepared], raw_body: bytes,
                         session_id: str | None) -> _Prepared:
         # Parsing, templating, tokenizing and hashing a prompt of 100k tokens takes long enough to delay
         # every other request's tokens if it ran on the event loop that streams them.
+        if len(raw_body) <= INLINE_PREPARE_BYTES:
+            return prepare(raw_body, session_id)
         return await asyncio.get_running_loop().run_in_executor(self._executor, prepare, raw_body, session_id)
 
     def _prepare_completion(self, raw_body: bytes, session_id: str | None) -> _Prepared:
@@ -169,15 +173,15 @@ class OpenAIServing:
         body, response_format = prepared.body, prepared.response_format
         outputs = self.engine.generate(prepared.request)
         try:
-            replica_id = (await anext(outputs)).replica_id
-        except (EnginesBusy, ReplicaLost) as exc:
+            first = await anext(outputs)
+        except ENGINE_ERRORS as exc:
             raise engine_error(exc) from None
-        progress = _Progress(RequestTracker(self.metrics, replica_id, arrival_time), self._token_text,
+        progress = _Progress(RequestTracker(self.metrics, first.replica_id, arrival_time), self._token_text,
                              [] if prepared.request.params.logprobs else None)
         if body.stream:
-            return StreamingResponse(self._stream(outputs, response_format, progress, body.include_usage),
-                                     media_type="text/event-stream", headers={REPLICA_HEADER: replica_id})
-        await self._collect(outputs, progress)
+            return StreamingResponse(self._stream(first, outputs, response_format, progress, body.include_usage),
+                                     media_type="text/event-stream", headers={REPLICA_HEADER: first.replica_id})
+        await self._collect(first, outputs, progress)
         return JSONResponse(response_format.response("".join(progress.text), progress.finish_reason,
                                                      progress.usage(), progress.logprobs),
                             headers={REPLICA_HEADER: progress.tracker.replica_id})  # the last, if it migrated
@@ -206,21 +210,24 @@ class OpenAIServing:
         except pydantic.ValidationError as exc:
             raise APIError(describe(exc)) from None
 
-    async def _collect(self, outputs: AsyncGenerator[EngineOutput, None], progress: _Progress) -> None:
+    async def _collect(self, first: EngineOutput, outputs: AsyncGenerator[EngineOutput, None],
+                       progress: _Progress) -> None:
+        """outputs: the rest of the stream whose first output was first."""
         try:
-            async for output in outputs:
+            async for output in _resumed(first, outputs):
                 progress.add(output)
         except ENGINE_ERRORS as exc:
             raise engine_error(exc) from None
         finally:
             await outputs.aclose()
 
-    async def _stream(self, outputs: AsyncGenerator[EngineOutput, None], response_format: ResponseFormat,
-                      progress: _Progress, include_usage: bool) -> AsyncIterator[str]:
+    async def _stream(self, first: EngineOutput, outputs: AsyncGenerator[EngineOutput, None],
+                      response_format: ResponseFormat, progress: _Progress, include_usage: bool) -> AsyncIterator[str]:
+        """As _collect, as server-sent events."""
         try:
             for chunk in response_format.opening_chunks():
                 yield chunk
-            async for output in outputs:
+            async for output in _resumed(first, outputs):
                 logprobs = progress.add(output)
                 if output.new_text or output.finished or logprobs:
                     yield response_format.chunk(output.new_text, output.finish_reason, logprobs)
@@ -246,6 +253,13 @@ class OpenAIServing:
         if not all(0 <= token_id < vocab_size for token_id in token_ids):
             raise APIError(f"prompt token ids must lie in [0, {vocab_size})", param="prompt")
         return token_ids
+
+
+async def _resumed(first: EngineOutput, rest: AsyncIterator[EngineOutput]) -> AsyncIterator[EngineOutput]:
+    """first, then the rest of the stream it was taken from; closing that stream stays the caller's."""
+    yield first
+    async for output in rest:
+        yield output
 
 
 def internal_error() -> APIError:

@@ -52,7 +52,7 @@ class EngineRequest:
 
 @dataclass
 class EngineOutput:
-    """What one step produced for one request; a replica's stream opens with an empty one naming it."""
+    """What one step produced for one request; a replica's first for a request names the replica."""
     request_id: str
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
@@ -62,7 +62,7 @@ class EngineOutput:
     num_cached_tokens: int = 0
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per new token: (token id, logprob), likeliest first
-    replica_id: str | None = None  # only on the opening output: the replica that took the request
+    replica_id: str | None = None  # only on a replica's first output for the request: the replica that took it
 
 
 class Core(Protocol):

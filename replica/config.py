@@ -34,6 +34,9 @@ class EngineConfig(pydantic.BaseModel):
     # Ranks the model is split over (attention heads, MLP and vocabulary): one process per rank, on a GPU each
     # on CUDA. It must divide the query heads, and divide the KV heads or be a multiple of them.
     tensor_parallel_size: int = pydantic.Field(1, ge=1)
+    # On CUDA, decode steps replay CUDA graphs captured at start-up (one per batch size up to
+    # max_num_seqs); enforce_eager launches every kernel from Python instead, as vLLM's flag does.
+    enforce_eager: bool = False
     # The scheduler's max_model_len is derived from the model and the KV cache: set the one above.
     scheduler: SchedulerConfig = pydantic.Field(default_factory=SchedulerConfig)
     cache: CacheConfig = pydantic.Field(default_factory=CacheConfig)

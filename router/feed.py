@@ -77,6 +77,10 @@ class RouterFeed:
         self._entries: deque[Entry] = deque(maxlen=max_entries)
         self._cursor = 0  # entries recorded so far
 
+    @property
+    def cursor(self) -> int:
+        return self._cursor
+
     def record(self, entry: Entry) -> None:
         self._entries.append(entry)
         self._cursor += 1
@@ -112,11 +116,12 @@ class FeedingRouter(Router):
         super().remove_replica(replica_id)
 
     def follow(self, follower: str, epoch: str | None, cursor: int, bookings: list[SharedBooking]) -> FeedUpdate:
-        """A follower's sync: answer what it has not seen, then record the bookings it made since its last one."""
+        """A follower's sync: answer what it has not seen, then record the bookings it made since its last one
+        (the cursor it gets is past them: it has them already)."""
         update = self.feed.since(epoch, cursor, self)
         for booking in bookings:
             self.feed.record(Booked(follower, booking))
-        return update
+        return FeedUpdate(update.epoch, self.feed.cursor, update.entries, update.states)
 
 
 def replay(router: Router, update: FeedUpdate, follower: str) -> None:

@@ -1,9 +1,12 @@
 """FollowingRouter: an ingress process's own Router, kept current from the router actor's feed.
 
-Requests are routed on it in this process, with no call to another one. A background task syncs it
-every interval: it sends the bookings made here since the last sync and replays what the engines
-reported meanwhile (router/feed.py). While the actor is slow or gone, routing goes on with the last
-view, and this process's own bookings keep counting.
+Requests are routed on it in this process, with no call to another one. A background task syncs it:
+each sync sends the bookings made here since the last one and replays what the engines reported
+meanwhile (router/feed.py). With nothing new, the router actor holds a sync until there is (a long
+poll of up to LONG_POLL_S), so an idle ingress makes about one call a second; a sync follows the
+last one's answer no sooner than the interval, so a busy feed is read at most once per interval.
+While the actor is slow or gone, routing goes on with the last view, and this process's own bookings
+keep counting.
 """
 import asyncio
 import logging
@@ -21,6 +24,7 @@ from router.policy import PolicyConfig
 
 logger = logging.getLogger("ray.serve.prefixserve.router")
 
+LONG_POLL_S = 1.0
 _FOLLOWERS: dict[str, "FollowingRouter"] = {}  # by app name: one per process, shared by its request routers
 
 
@@ -73,18 +77,20 @@ class FollowingRouter:
             return self.router.snapshot()
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(take(), self._loop))
 
-    async def sync(self) -> None:
+    async def sync(self, wait_s: float = 0.0) -> None:
+        """wait_s: how long the router actor may hold the sync while it has nothing new for this process."""
         async with self._syncing:
-            await self._sync()
+            await self._sync(wait_s)
 
-    async def _sync(self) -> None:
+    async def _sync(self, wait_s: float) -> None:
         bookings, self._outbox = self._outbox, []
         removed, self._removed = self._removed, []
         try:
             feed = await self._feed.get()
             for replica_id in removed:
                 feed.remove_replica.remote(replica_id)
-            update: FeedUpdate = await feed.follow.remote(self.name, self._epoch, self._cursor, bookings)
+            update: FeedUpdate = await feed.follow.remote(self.name, self._epoch, self._cursor, bookings,
+                                                           wait_s)
         except Exception as exc:  # the bookings are lost to the others; the replicas' reports will cover them
             self._warn_once(exc)
             self._removed = removed + self._removed
@@ -97,7 +103,7 @@ class FollowingRouter:
 
     async def _run(self) -> None:
         while True:
-            await self.sync()
+            await self.sync(LONG_POLL_S)
             await asyncio.sleep(self._interval_s)
 
     def _warn_once(self, exc: Exception) -> None:

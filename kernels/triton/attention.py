@@ -42,7 +42,7 @@ def _paged_attention_kernel(
         stride_cache_n, stride_cache_b, stride_cache_h, stride_block_tables,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-        DOT_DTYPE: tl.constexpr):
+        DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -82,13 +82,13 @@ def _paged_attention_kernel(
         k = tl.load(key_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
         v = tl.load(value_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
 
-        scores = tl.dot(q, tl.trans(k.to(DOT_DTYPE))) * qk_scale
+        scores = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
         scores = tl.where(column[None, :] <= position[:, None], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         p = tl.exp2(scores - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE))
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         m_i = m_new
 
     out = acc / l_i[:, None]
@@ -122,8 +122,14 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_SIZE=block_size, BLOCK_M=block_m, TILE_N=TILE_N,
         HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
-        DOT_DTYPE=_dot_dtype(query))
+        DOT_DTYPE=_dot_dtype(query), DOT_PRECISION=_dot_precision(query))
     return out
+
+
+def _dot_precision(query: torch.Tensor) -> str:
+    """fp32 in, fp32 products: Triton's default for fp32 operands on a GPU is TF32 (10-bit
+    mantissas), which puts 1e-3 errors into attention and breaks fp32's exactness."""
+    return "ieee" if query.dtype == torch.float32 else "tf32"
 
 
 def _dot_dtype(query: torch.Tensor) -> tl.dtype:

@@ -10,6 +10,7 @@ samples, and the others take its tokens so that their requests' token ids stay t
 """
 import torch
 
+from replica.executor.cuda_graphs import DecodeGraphs
 from replica.executor.input_batch import BatchInputs, RequestState, order_decodes_first, prepare_inputs
 from replica.executor.model import KVCache, LlamaForCausalLM
 from replica.executor.rejection_sampler import num_emitted, rejection_sample
@@ -18,10 +19,12 @@ from replica.scheduler import ModelRunnerOutput, SchedulerOutput
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], block_size: int):
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], block_size: int,
+                 decode_graphs: DecodeGraphs | None = None):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
+        self.decode_graphs = decode_graphs
         self.device = kv_caches[0][0].device
         self.tp = model.tp
         self.requests: dict[str, RequestState] = {}
@@ -35,7 +38,7 @@ class ModelRunner:
         req_ids = order_decodes_first(list(num_scheduled), num_scheduled)
         states = [self.requests[req_id] for req_id in req_ids]
         batch = prepare_inputs(states, [num_scheduled[req_id] for req_id in req_ids], self.block_size, self.device)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attention)
+        hidden = self._forward(batch)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         sampling = [states[row] for row in batch.sample_rows]
         num_drafts = [len(state.spec_token_ids) for state in sampling]
@@ -72,6 +75,13 @@ class ModelRunner:
         if self.tp.is_driver:
             return sampled, counts
         return Sampled(packed[:num_rows], None, None), packed[num_rows:].tolist()
+
+    def _forward(self, batch: BatchInputs) -> torch.Tensor:
+        if self.decode_graphs is not None:
+            hidden = self.decode_graphs.run(batch.input_ids, batch.positions, batch.attention)
+            if hidden is not None:
+                return hidden
+        return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attention)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for req_id in scheduler_output.finished_req_ids:

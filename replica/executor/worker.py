@@ -8,6 +8,8 @@ import torch
 from kernels import Backend, get_ops
 from replica.executor.checkpoint import load_checkpoint
 from replica.executor.cpu_allocator import keep_freed_memory
+from replica.executor.cuda_graphs import DecodeGraphs
+from replica.executor.model import KVCache, LlamaForCausalLM
 from replica.executor.model_runner import ModelRunner
 from replica.executor.paged_cache import allocate_kv_caches
 from replica.executor.parallel import TensorParallel, init_process_group
@@ -24,6 +26,9 @@ class RunnerSpec:
     backend: Backend
     block_size: int
     num_blocks: int
+    cuda_graphs: bool = False  # capture decode steps where the kernels allow (see decode_graphs)
+    max_num_seqs: int = 0
+    max_blocks_per_seq: int = 0
 
 
 def build_runner(spec: RunnerSpec, tp: TensorParallel = TensorParallel(),
@@ -33,7 +38,14 @@ def build_runner(spec: RunnerSpec, tp: TensorParallel = TensorParallel(),
     checkpoint = load_checkpoint(spec.model)
     model = build_model(checkpoint, dtype=spec.dtype, device=device, ops=get_ops(spec.backend), tp=tp)
     kv_caches = allocate_kv_caches(checkpoint.config, spec.num_blocks, spec.block_size, spec.dtype, device, tp.size)
-    return ModelRunner(model, kv_caches, spec.block_size)
+    return ModelRunner(model, kv_caches, spec.block_size, decode_graphs(spec, model, kv_caches))
+
+
+def decode_graphs(spec: RunnerSpec, model: LlamaForCausalLM, kv_caches: list[KVCache]) -> DecodeGraphs | None:
+    # the torch reference kernels sync with the host (boolean masks): only Triton's can be captured
+    if not spec.cuda_graphs or spec.backend != "triton" or kv_caches[0][0].device.type != "cuda":
+        return None
+    return DecodeGraphs(model, kv_caches, spec.max_num_seqs, spec.max_blocks_per_seq)
 
 
 class WorkerLost(RuntimeError):

@@ -110,18 +110,19 @@ class FakeEngineCore:
 
 
 class FakeEngineClient:
-    """The ingress's view of the engine deployment: an output naming the replica, then a FakeEngineCore's.
+    """The ingress's view of the engine deployment: a FakeEngineCore's outputs, the first naming the replica.
 
     lost_after[n]: the replica of a request's (n + 1)th attempt is lost (ReplicaLost) after that many outputs,
-    None: before it names itself. The nth attempt (from 0) is served by replica_id, then replica_id/1, ...;
+    None: before it takes the request. The nth attempt (from 0) is served by replica_id, then replica_id/1, ...;
     each reports a hit of n + 1 blocks (cached_tokens(n)), so that a test can tell whose count was kept.
     """
 
-    def __init__(self, replica_id: str = "replica-a", *, error: Exception | None = None, busy_from: int | None = None,
-                 lost_after: Sequence[int | None] = ()):
+    def __init__(self, replica_id: str = "replica-a", *, error: Exception | None = None, error_after: int = 0,
+                 busy_from: int | None = None, lost_after: Sequence[int | None] = ()):
         self.replica_id = replica_id
-        self.error = error
-        self.busy_from = busy_from  # from this attempt on no room: EnginesBusy instead of the opening output
+        self.error = error  # raised after error_after outputs
+        self.error_after = error_after
+        self.busy_from = busy_from  # from this attempt on no room: EnginesBusy instead of the first output
         self.lost_after = lost_after
         self.requests: list[EngineRequest] = []
         self.abandoned: list[str] = []  # requests whose stream was closed before they finished
@@ -138,15 +139,15 @@ class FakeEngineClient:
         core.add_request(request.request_id, request.prompt_token_ids, request.params,
                          block_hashes=request.block_hashes, output_token_ids=request.output_token_ids)
         replica_id = f"{self.replica_id}/{attempt}" if attempt else self.replica_id
-        yield EngineOutput(request.request_id, replica_id=replica_id)
         num_outputs = 0
         try:
             while core.has_unfinished():
-                if self.error is not None:
+                if self.error is not None and num_outputs == self.error_after:
                     raise self.error
                 if num_outputs == lost_after:
                     raise ReplicaLost(f"replica of attempt {attempt} died")
                 for output in core.step():
+                    output.replica_id = None if num_outputs else replica_id
                     yield output
                 num_outputs += 1
         finally:

@@ -10,7 +10,7 @@ import pytest
 from cluster.api import build_api
 from cluster.metrics import ServingMetrics
 from cluster.protocol import REPLICA_HEADER
-from cluster.serving import OpenAIServing
+from cluster.serving import INLINE_PREPARE_BYTES, OpenAIServing
 from replica.async_engine import ModelInfo
 from replica.kv_cache import hash_token_blocks
 from replica.request import SamplingParams
@@ -164,12 +164,22 @@ def test_chat_stream_is_server_sent_events_ending_with_done():
 
 
 def test_engine_failure_mid_stream_is_an_error_event_then_done():
-    engine = FakeEngineClient(error=ValueError("the engine refused it"))
+    engine = FakeEngineClient(error=ValueError("the engine failed"), error_after=1)
     response = request(make_app(engine), "POST", "/v1/completions",
                        json={"model": MODEL, "prompt": "hello", "stream": True})
     assert response.status_code == 200
-    assert response.text == ('data: {"error": {"message": "the engine refused it", "type": "invalid_request_error", '
-                             '"param": null, "code": null}}\n\ndata: [DONE]\n\n')
+    first, *rest = response.text.split("\n\n", 1)
+    assert json.loads(first.removeprefix("data: "))["choices"][0]["text"] == "t0 "
+    assert rest == ['data: {"error": {"message": "the engine failed", "type": "invalid_request_error", '
+                    '"param": null, "code": null}}\n\ndata: [DONE]\n\n']
+
+
+def test_engine_refusing_a_stream_before_its_first_output_is_a_400():
+    engine = FakeEngineClient(error=ValueError("the engine refused it"))
+    response = request(make_app(engine), "POST", "/v1/completions",
+                       json={"model": MODEL, "prompt": "hello", "stream": True})
+    assert (response.status_code, response.json()) == (400, {"error": {
+        "message": "the engine refused it", "type": "invalid_request_error", "param": None, "code": None}})
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -215,6 +225,24 @@ def test_closing_a_stream_early_abandons_the_engine_stream_and_migrates_nothing(
     assert len(engine.requests) == 1
 
 
+def test_leaving_a_chat_stream_after_its_opening_chunk_abandons_the_engine_stream_at_once():
+    engine = FakeEngineClient()
+    serving = OpenAIServing(engine, FakeTokenizer(), ModelInfo(MODEL, MAX_MODEL_LEN, VOCAB_SIZE, BLOCK_SIZE),
+                            ServingMetrics())
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40,
+                       "stream": True}).encode()
+
+    async def read_the_opening_chunk_then_disconnect():
+        response = await serving.create_chat_completion(body, arrival_time=0.0)
+        opening = await anext(response.body_iterator)
+        await response.body_iterator.aclose()
+        return opening, list(engine.abandoned)  # before the loop's shutdown would close what is left
+
+    opening, abandoned = asyncio.run(read_the_opening_chunk_then_disconnect())
+    assert '"role": "assistant"' in opening
+    assert abandoned == [engine.requests[0].request_id]
+
+
 class BlockingTokenizer(FakeTokenizer):
     """Tokenizing a text with HUGE in it lasts until release is set, as a 100k-token prompt's would."""
     HUGE = "huge"
@@ -239,7 +267,8 @@ def test_tokenizing_a_huge_prompt_holds_up_no_other_request(path, body):
     finished = []
 
     async def send(client: httpx.AsyncClient, prompt: str) -> None:
-        response = await client.post(path, json={"model": MODEL, "max_tokens": 2, **body(prompt)})
+        padding = "x" * INLINE_PREPARE_BYTES if prompt == BlockingTokenizer.HUGE else ""  # as large as a huge one
+        response = await client.post(path, json={"model": MODEL, "max_tokens": 2, "user": padding, **body(prompt)})
         finished.append((prompt, response.status_code))
 
     async def test():

@@ -166,6 +166,28 @@ def test_what_accumulates_while_a_batch_is_in_flight_goes_as_the_next_batch():
     ]
 
 
+def test_what_is_recorded_within_the_send_interval_goes_as_one_batch_once_it_has_passed():
+    async def test():
+        core, handle = FakeEngineCore(), FakeRouterHandle(new_router())
+        publisher = RouterPublisher("r1", FakeRouterClient(handle), send_interval_s=0.2)
+        add_prompt(core, "a", list(range(4)))
+        await record(publisher, core)
+        await handle.deliver()
+        for request_id, prompt in (("b", list(range(10, 14))), ("c", list(range(20, 28)))):
+            add_prompt(core, request_id, prompt)
+            await record(publisher, core)
+        num_pending_within = len(handle.pending)
+        await asyncio.sleep(0.3)
+        await handle.deliver()
+        await publisher.close()
+        return handle, num_pending_within
+
+    handle, num_pending_within = asyncio.run(test())
+    assert num_pending_within == 0
+    assert handle.delivered == [("publish", 1), ("publish", 2)]
+    assert handle.payloads[1] == ([stored(list(range(10, 14))), stored(list(range(20, 28)))], [])
+
+
 def test_a_lost_batch_makes_the_next_batch_a_resync_with_its_finished_requests():
     client = FakeRouterClient(FakeRouterHandle(new_router()))
 

@@ -54,7 +54,7 @@ class FakeFeed:
     def remove_replica(self):
         return FakeMethod(self.removed.append)
 
-    async def _follow(self, follower, epoch, cursor, bookings):
+    async def _follow(self, follower, epoch, cursor, bookings, wait_s=0.0):
         if self.hang:
             await asyncio.Event().wait()
         self.bookings += bookings

@@ -10,16 +10,17 @@ def last_position_logits(model: LlamaForCausalLM, token_ids: list[int], block_si
     """Prefill token_ids into a fresh paged cache (blocks 1, 2, ... in order) -> fp32 logits [vocab]."""
     num_tokens = len(token_ids)
     num_blocks = -(-num_tokens // block_size)
-    dtype = model.model.embed_tokens.weight.dtype
-    kv_caches = allocate_kv_caches(model.config, num_blocks + 1, block_size, dtype, torch.device("cpu"))
-    block_table = torch.arange(1, num_blocks + 1, dtype=torch.int32).unsqueeze(0)
-    positions = torch.arange(num_tokens)
-    group = AttentionGroup(0, num_tokens, block_table, torch.tensor([0, num_tokens], dtype=torch.int32),
-                           torch.tensor([num_tokens], dtype=torch.int32))
-    metadata = AttentionMetadata(slot_mapping=positions + block_size, groups=[group])
-    with torch.inference_mode():
-        hidden = model(torch.tensor(token_ids), positions, kv_caches, metadata)
-        return model.compute_logits(hidden[-1:])[0]
+    weight = model.model.embed_tokens.weight
+    kv_caches = allocate_kv_caches(model.config, num_blocks + 1, block_size, weight.dtype, weight.device)
+    with torch.device(weight.device):
+        block_table = torch.arange(1, num_blocks + 1, dtype=torch.int32).unsqueeze(0)
+        positions = torch.arange(num_tokens)
+        group = AttentionGroup(0, num_tokens, block_table, torch.tensor([0, num_tokens], dtype=torch.int32),
+                               torch.tensor([num_tokens], dtype=torch.int32))
+        metadata = AttentionMetadata(slot_mapping=positions + block_size, groups=[group])
+        with torch.inference_mode():
+            hidden = model(torch.tensor(token_ids), positions, kv_caches, metadata)
+            return model.compute_logits(hidden[-1:])[0].float()
 
 
 def byte_tokenizer_backend():

@@ -174,6 +174,8 @@ def test_ids_match_transformers_gguf_conversion(tokenizer, gguf_path):
     """transformers' own tokenizer from the same file, where it agrees with SentencePiece: its Metaspace
     prefixes no "▁" to text that starts with a space, or to text after a special token."""
     gguf_tokenizer = pytest.importorskip("transformers.integrations.gguf")
+    if "llama" not in getattr(gguf_tokenizer, "GGUF_TOKENIZER_ARCHS", {"llama"}):  # transformers 5.17 had none
+        pytest.skip("this transformers builds no llama tokenizer from a GGUF")
     architecture, tokenizer_dict, _ = gguf_tokenizer.get_gguf_tokenizer(gguf_path)
     reference, _ = gguf_tokenizer.convert_gguf_tokenizer(architecture, tokenizer_dict)
     for text in TEXTS:

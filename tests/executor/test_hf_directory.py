@@ -2,13 +2,14 @@
 tokenizer.json) and from the GGUF file convert_hf_to_gguf would write, checked against transformers:
 Llama (untied LM head; plain, llama3, linear and YaRN RoPE), Mistral, Qwen2 (q/k/v biases, tied head)
 and Qwen3 (q/k norm, own head_dim)."""
+import copy
 import json
 
 import pytest
 import torch
 
 from kernels import get_ops
-from replica.engine import LLM
+from replica.engine import LLM, resolve_backend, resolve_device
 from replica.executor.checkpoint import load_checkpoint
 from replica.executor.weights import build_model
 from replica.request import SamplingParams
@@ -39,6 +40,7 @@ MODELS = {
     "qwen3": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(  # head_dim 32, not 64 / 4
         **SHAPE, head_dim=32, tie_word_embeddings=True)),
 }
+BF16_ERROR_RATIO = 1.5
 PROMPTS = ["hello world", "The quick brown fox jumps over", "The quick brown fox jumps over the lazy dog"]
 
 
@@ -122,6 +124,26 @@ def test_logits_match_transformers(checkpoint):
         with torch.inference_mode():
             theirs = hf_model(torch.tensor([prompt])).logits[0, -1]
         torch.testing.assert_close(last_position_logits(model, prompt), theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_bf16_logits_stray_from_fp32_no_more_than_transformers_bf16(model_dir):
+    """On the engine's default device and kernels, over all prompts: the mean absolute error of our
+    bf16 logits against transformers' fp32 ones is at most BF16_ERROR_RATIO times that of
+    transformers' own bf16 run (measured on CPU: 0.6-1.32x)."""
+    directory, hf_model = model_dir
+    checkpoint = load_checkpoint(str(directory))
+    device = resolve_device(None)
+    model = build_model(checkpoint, dtype=torch.bfloat16, device=device,
+                        ops=get_ops(resolve_backend("auto", device, checkpoint.config.head_dim)))
+    hf_bf16 = copy.deepcopy(hf_model).to(device=device, dtype=torch.bfloat16)
+    our_error = their_error = 0.0
+    for prompt in map(checkpoint.tokenizer.encode, PROMPTS):
+        with torch.inference_mode():
+            exact = hf_model(torch.tensor([prompt])).logits[0, -1]
+            theirs = hf_bf16(torch.tensor([prompt], device=device)).logits[0, -1].float().cpu()
+        our_error += (last_position_logits(model, prompt).cpu() - exact).abs().mean().item()
+        their_error += (theirs - exact).abs().mean().item()
+    assert our_error <= BF16_ERROR_RATIO * their_error
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

@@ -38,7 +38,7 @@ def main() -> None:
         compile_kernel(attention._paged_attention_kernel, dtype, dict(
             GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK_SIZE=16,
             BLOCK_M=block_m, TILE_N=attention.TILE_N, HEAD_DIM_PAD=head_dim,
-            DOT_DTYPE=dot_dtypes[dtype]))
+            DOT_DTYPE=dot_dtypes[dtype], DOT_PRECISION="ieee" if dtype == "fp32" else "tf32"))
     compile_kernel(cache_write._write_kv_cache_kernel, "bf16", dict(HEADS_PAD=8, HEAD_DIM_PAD=128))
     for has_residual in (False, True):
         compile_kernel(rms_norm._rms_norm_kernel, "bf16",

@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -52,7 +53,7 @@ def test_same_hash_in_another_process():
     code = ("from replica.kv_cache import hash_token_blocks;"
             "print(hash_token_blocks(list(range(32)), 16, cache_salt='x', seed=5)[1].hex())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={"PYTHONHASHSEED": "123"}, cwd=Path(__file__).parents[2])
+                         env={**os.environ, "PYTHONHASHSEED": "123"}, cwd=Path(__file__).parents[2])
     assert out.stdout.strip() == hash_token_blocks(list(range(32)), 16, cache_salt="x", seed=5)[1].hex()
 
 

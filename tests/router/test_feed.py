@@ -103,3 +103,13 @@ def test_followers_count_each_others_bookings_until_the_replica_reports_the_requ
         0, 0, 0, 1]
     first.sync()
     assert (first.router.num_in_flight("b"), second.router.num_in_flight("b")) == (1, 1)
+
+
+def test_a_follower_is_past_its_own_bookings_once_it_has_shared_them():
+    owner = FeedingRouter(CONFIG, BLOCK_SIZE)
+    follower = Follower("f", owner)
+    follower.sync()
+    follower.choose("r1", chain(1), ["a"])
+    assert follower.sync().cursor == owner.feed.cursor == 1
+    assert follower.sync().entries == []
+
