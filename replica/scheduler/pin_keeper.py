@@ -34,6 +34,7 @@ class PinKeeper:
         if self._tool_gaps is not None and request.session_id is not None and \
                 self._tool_gaps.turn_arrived(request.session_id, self._clock()):
             self._next_turns.add(request.request_id)
+            self.pins.next_turn_arrived(request.session_id)
 
     def expire(self) -> None:
         for pin in self.pins.pop_expired(self._clock()):

@@ -93,6 +93,21 @@ def pin_two_programs(clock: FakeClock, scheduler) -> None:
         run_to_completion(scheduler, turn(f"{session}/1", [ord(session)] * 8, session_id=session))
 
 
+def test_a_pin_outlives_its_ttl_once_the_next_turn_arrived_and_waits():
+    clock, scheduler = continuum(max_num_seqs=1)
+    run_to_completion(scheduler, turn("p/1", [ord("p")] * 8))  # pinned until 2.0
+    scheduler.add_request(turn("x", list(range(100, 104)), session_id=None, max_tokens=8))
+    step(scheduler)
+    clock.now = 1.5
+    scheduler.add_request(turn("p/2", [ord("p")] * 8 + [7, 1]))  # waits for x's seat
+    clock.now = 2.5
+    step(scheduler)
+    assert "p" in scheduler.pins and num_free(scheduler) == 15  # x: 2 blocks, p's pin: 2
+    assert run_to_completion(scheduler) == ["x", "p/2"]
+    assert scheduler.make_stats().pins == PinStats(num_pinned_blocks=3, pinned=2, hits=1, next_turn_queries=10,
+                                                   next_turn_hits=8)
+
+
 def test_with_nothing_running_an_admission_takes_the_pins_with_the_least_time_left():
     clock, scheduler = continuum(num_blocks=10)
     pin_two_programs(clock, scheduler)
