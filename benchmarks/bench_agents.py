@@ -20,11 +20,13 @@ history is freed and, under memory pressure, evicted before the next turn comes 
 import argparse
 import asyncio
 import functools
+import json
 import math
 import random
 import statistics
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,11 +120,18 @@ def simulated(args: argparse.Namespace) -> tuple[str, list[Summary]]:
     rng = random.Random(args.seed)
     for program in programs:
         program.start_s = rng.uniform(0, args.ramp)
-    summaries, notes = [], {}
+    summaries, notes, outcomes = [], {}, []
     for queue_policy in QUEUE_POLICIES:
-        spec = ClusterSpec(num_blocks=args.num_blocks, queue_policy=queue_policy)
+        trace_dir = _fresh_dir(Path(args.pin_trace) / queue_policy) if args.pin_trace and queue_policy != "fcfs" \
+            else None
+        spec = ClusterSpec(num_blocks=args.num_blocks, queue_policy=queue_policy,
+                           pin_trace_dir=trace_dir and str(trace_dir))
         records, replicas = simulate(programs, args.replicas, "prefix", step_model, spec, args.seed)
         by_id = {record.request_id: record for record in records}
+        if trace_dir:
+            outcomes.append(f"Pin outcomes under {queue_policy} (per-pin trace in {trace_dir}): "
+                            + ", ".join(f"{count} {outcome}" for outcome, count in
+                                        pin_outcomes(trace_dir, by_id).most_common()))
         turns = []
         for program in programs:
             for index, turn in enumerate(program.turns):
@@ -139,7 +148,38 @@ def simulated(args: argparse.Namespace) -> tuple[str, list[Summary]]:
     title = (f"Simulated: {args.replicas} replicas x {args.num_blocks} KV blocks of 16 tokens, {num_programs} agent "
              f"programs ({sum(len(p.turns) for p in programs)} turns) started over {args.ramp:.0f} s, prefix router, "
              f"{args.step_model} step model, seed {args.seed}")
-    return report(title, summaries, notes), summaries
+    return "\n\n".join([report(title, summaries, notes), *outcomes]), summaries
+
+
+def _fresh_dir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    for old in path.glob("*.jsonl"):
+        old.unlink()
+    return path
+
+
+def pin_outcomes(trace_dir: Path, records: dict) -> Counter:
+    """What became of every pin, from the replicas' pin records (one file per replica) and where each
+    program's next turn went."""
+    outcomes = Counter()
+    for path in trace_dir.glob("*.jsonl"):
+        for line in path.read_text().splitlines():
+            outcomes[pin_outcome(json.loads(line)["pin"], path.stem, records)] += 1
+    return outcomes
+
+
+def pin_outcome(pin: dict, replica_id: str, records: dict) -> str:
+    if pin["hit"]:
+        return "hit"
+    session_id, index = pin["request_id"].rsplit("/", 1)
+    next_turn = records.get(f"{session_id}/{int(index) + 1}")
+    if next_turn is None:
+        return f"{pin['end']}, no next turn"
+    if next_turn.replica_id != replica_id:
+        return f"{pin['end']}, next turn routed elsewhere"
+    if pin["next_turn_arrived_at"] is None:
+        return f"{pin['end']} before the next turn arrived"
+    return f"{pin['end']} while the next turn waited"
 
 
 # --- live --------------------------------------------------------------------------------------
@@ -234,6 +274,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--markdown", help="append the tables here")
     parser.add_argument("--plot", help="save the completion-time distributions here (needs matplotlib)")
+    parser.add_argument("--pin-trace", help="simulated: write each replica's pin records under this directory "
+                        "and count what became of the pins")
     args = parser.parse_args()
     runs = ([("simulated", *simulated(args))] if args.sim else []) + ([("live", *live(args))] if args.live else [])
     command = f"```\npython benchmarks/bench_agents.py {' '.join(sys.argv[1:])}\n```"

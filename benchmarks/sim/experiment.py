@@ -1,6 +1,8 @@
 """One simulated run end to end, and the capacity that loads are relative to."""
 from dataclasses import dataclass
+from pathlib import Path
 
+from replica.scheduler.trace import SchedulerTrace
 from router import PolicyConfig
 
 from .cluster import RequestRecord, SimClock, Simulation
@@ -21,13 +23,15 @@ class ClusterSpec:
     num_routers: int = 1         # ingress replicas routing with views of their own
     sync_delay_s: float = 0.02   # with several routers: the extra delay before a router learns anything
     shared_bookings: bool = True  # each router's bookings reach the others
+    pin_trace_dir: str | None = None  # each replica writes its pin records (replica.scheduler.trace) here
 
 
 def simulate(programs: list[Program], num_replicas: int, policy: str, step_model: StepModel,
              spec: ClusterSpec, seed: int, config: PolicyConfig | None = None
              ) -> tuple[list[RequestRecord], list[SimReplica]]:
     clock = SimClock()
-    replicas = [SimReplica(f"r{i}", spec.num_blocks, spec.block_size, step_model, clock, spec.queue_policy)
+    replicas = [SimReplica(f"r{i}", spec.num_blocks, spec.block_size, step_model, clock, spec.queue_policy,
+                           trace=_pin_trace(spec, f"r{i}"))
                 for i in range(num_replicas)]
     replica_ids = [replica.replica_id for replica in replicas]
     routers = [make_router(policy, replica_ids, spec.block_size, clock, seed + k, config)
@@ -35,6 +39,12 @@ def simulate(programs: list[Program], num_replicas: int, policy: str, step_model
     simulation = Simulation(programs, replicas, routers, spec.block_size, clock, spec.publish_lag_s,
                             spec.sync_delay_s, spec.shared_bookings)
     return simulation.run(), replicas
+
+
+def _pin_trace(spec: ClusterSpec, replica_id: str) -> SchedulerTrace | None:
+    if spec.pin_trace_dir is None:
+        return None
+    return SchedulerTrace(str(Path(spec.pin_trace_dir) / f"{replica_id}.jsonl"), steps=False)
 
 
 def capacity(workload: str, step_model: StepModel, spec: ClusterSpec, seed: int, num_requests: int = 150) -> float:

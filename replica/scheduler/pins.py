@@ -68,9 +68,14 @@ class Pin:
     history still there. Once the next turn has arrived the pin no longer expires: the time the turn
     waits for admission is not part of the tool gap its TTL predicted."""
     request: Request  # the finished turn whose blocks are held
+    pinned_at: float
     expires_at: float
     hit: bool = False  # the program's next turn was admitted while it held the history
-    next_turn_arrived: bool = False
+    next_turn_arrived_at: float | None = None
+
+    @property
+    def next_turn_arrived(self) -> bool:
+        return self.next_turn_arrived_at is not None
 
 
 class Pins:
@@ -86,10 +91,10 @@ class Pins:
         self._next_turn_arrived: dict[str, Pin] = {}  # by session, the earliest arrived first
         self._order = itertools.count()
 
-    def add(self, request: Request, expires_at: float) -> Pin | None:
+    def add(self, request: Request, now: float, expires_at: float) -> Pin | None:
         """Pin the request's blocks; returns the program's previous pin, to release."""
         previous = self.pop(request.session_id)
-        pin = self._by_session[request.session_id] = Pin(request, expires_at)
+        pin = self._by_session[request.session_id] = Pin(request, now, expires_at)
         self._by_request_id[request.request_id] = request.session_id
         heapq.heappush(self._by_expiry, (expires_at, next(self._order), pin))
         return previous
@@ -101,11 +106,11 @@ class Pins:
             self._next_turn_arrived.pop(session_id, None)
         return pin
 
-    def next_turn_arrived(self, session_id: str | None) -> None:
+    def next_turn_arrived(self, session_id: str | None, now: float) -> None:
         """The program's next turn arrived: its pin stops expiring."""
         pin = self._by_session.get(session_id)
         if pin is not None and not pin.next_turn_arrived:
-            pin.next_turn_arrived = True
+            pin.next_turn_arrived_at = now
             self._next_turn_arrived[session_id] = pin
 
     def get(self, session_id: str | None) -> Pin | None:
