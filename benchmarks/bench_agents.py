@@ -110,13 +110,14 @@ def plot(panels: list[tuple[str, list[Summary]]], path: str) -> None:
 def simulated(args: argparse.Namespace) -> tuple[str, list[Summary]]:
     from benchmarks.sim.experiment import ClusterSpec, simulate
     from benchmarks.sim.step_model import StepModel
-    from benchmarks.sim.workloads import MAX_CONTEXT, make_workload
+    from benchmarks.sim.workloads import make_workload, max_context
 
-    if args.num_blocks * ClusterSpec.block_size <= MAX_CONTEXT:
-        raise SystemExit(f"--num-blocks {args.num_blocks} cannot hold a program's context of up to {MAX_CONTEXT} tokens")
+    context = max_context(args.workload)
+    if args.num_blocks * ClusterSpec.block_size <= context:
+        raise SystemExit(f"--num-blocks {args.num_blocks} cannot hold a program's context of up to {context} tokens")
     step_model = StepModel.load(args.step_model)
     num_programs = args.programs_per_replica * args.replicas
-    programs = make_workload("agents", args.seed, args.replicas, 30 * num_programs)[:num_programs]
+    programs = make_workload(args.workload, args.seed, args.replicas, 50 * num_programs)[:num_programs]
     rng = random.Random(args.seed)
     for program in programs:
         program.start_s = rng.uniform(0, args.ramp)
@@ -124,8 +125,8 @@ def simulated(args: argparse.Namespace) -> tuple[str, list[Summary]]:
     for queue_policy in QUEUE_POLICIES:
         trace_dir = _fresh_dir(Path(args.pin_trace) / queue_policy) if args.pin_trace and queue_policy != "fcfs" \
             else None
-        spec = ClusterSpec(num_blocks=args.num_blocks, queue_policy=queue_policy,
-                           pin_trace_dir=trace_dir and str(trace_dir))
+        spec = ClusterSpec(num_blocks=args.num_blocks, max_model_len=context + ClusterSpec.block_size,
+                           queue_policy=queue_policy, pin_trace_dir=trace_dir and str(trace_dir))
         records, replicas = simulate(programs, args.replicas, "prefix", step_model, spec, args.seed)
         by_id = {record.request_id: record for record in records}
         if trace_dir:
@@ -145,8 +146,8 @@ def simulated(args: argparse.Namespace) -> tuple[str, list[Summary]]:
         notes[queue_policy] = _describe_pins(*(sum(getattr(p, name) for p in pins)
                                                for name in ("pinned", "hits", "expired", "released")))
         print(f"simulated {queue_policy}: {len(records)} turns", flush=True)
-    title = (f"Simulated: {args.replicas} replicas x {args.num_blocks} KV blocks of 16 tokens, {num_programs} agent "
-             f"programs ({sum(len(p.turns) for p in programs)} turns) started over {args.ramp:.0f} s, prefix router, "
+    title = (f"Simulated: {args.replicas} replicas x {args.num_blocks} KV blocks of 16 tokens, {num_programs} "
+             f"{args.workload} programs ({sum(len(p.turns) for p in programs)} turns) started over {args.ramp:.0f} s, prefix router, "
              f"{args.step_model} step model, seed {args.seed}")
     return "\n\n".join([report(title, summaries, notes), *outcomes]), summaries
 
@@ -260,6 +261,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--no-sim", dest="sim", action="store_false", help="skip the simulated run")
     parser.add_argument("--replicas", type=int, default=16)
+    parser.add_argument("--workload", default="agents", choices=["agents", "coding-agents"],
+                        help="simulated: benchmarks/sim/workloads.py's")
     parser.add_argument("--num-blocks", type=int, default=2048, help="KV blocks per simulated replica")
     parser.add_argument("--programs-per-replica", type=int, default=4)
     parser.add_argument("--ramp", type=float, default=30.0, help="seconds over which the programs start")

@@ -18,6 +18,7 @@ from .workloads import Program, Turn, assign_starts, make_workload
 class ClusterSpec:
     num_blocks: int = 2048      # KV blocks per replica: 32k tokens at 16 per block
     block_size: int = 16
+    max_model_len: int = 8192
     publish_lag_s: float = 0.01  # a publication reaches the router this long after its step
     queue_policy: str = "fcfs"   # the replicas' SchedulerConfig.policy
     num_routers: int = 1         # ingress replicas routing with views of their own
@@ -31,7 +32,7 @@ def simulate(programs: list[Program], num_replicas: int, policy: str, step_model
              ) -> tuple[list[RequestRecord], list[SimReplica]]:
     clock = SimClock()
     replicas = [SimReplica(f"r{i}", spec.num_blocks, spec.block_size, step_model, clock, spec.queue_policy,
-                           trace=_pin_trace(spec, f"r{i}"))
+                           spec.max_model_len, _pin_trace(spec, f"r{i}"))
                 for i in range(num_replicas)]
     replica_ids = [replica.replica_id for replica in replicas]
     routers = [make_router(policy, replica_ids, spec.block_size, clock, seed + k, config)

@@ -15,7 +15,7 @@ def test_summary_measures_programs_next_turns_and_recomputed_history():
 
 def test_a_tiny_simulated_run_finishes_every_turn_under_both_queue_policies(tmp_path):
     args = argparse.Namespace(step_model="calibrated", programs_per_replica=4, replicas=2, seed=0, ramp=5.0,
-                              num_blocks=512, pin_trace=str(tmp_path))
+                              num_blocks=512, pin_trace=str(tmp_path), workload="agents")
     table, summaries = simulated(args)
     assert [summary.queue_policy for summary in summaries] == ["fcfs", "continuum"]
     assert len({len(summary.turns) for summary in summaries}) == 1
