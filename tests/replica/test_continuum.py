@@ -1,7 +1,7 @@
 """The continuum policy: a program's finished turn keeps its blocks pinned for the next turn."""
 from replica.request import Request, RequestStatus, SamplingParams
 from replica.scheduler import PinStats, Scheduler
-from replica.scheduler.pins import ToolGapEstimator
+from replica.scheduler.pins import Pins, ToolGapEstimator
 
 from .scheduler_helpers import FakeClock, make_scheduler, step
 
@@ -218,3 +218,14 @@ def test_a_request_held_back_by_pins_for_pin_ttl_max_s_takes_them():
     assert step(scheduler)[0].num_scheduled_tokens == {"running": 1, "r": 28}
     assert scheduler.make_stats().pins == PinStats(pinned=2, hits=1, released=1, next_turn_queries=12,
                                                    next_turn_hits=8)
+
+
+def test_pins_whose_next_turn_arrived_never_expire_and_are_released_last():
+    pins = Pins()
+    for session, expires_at in (("p", 2.0), ("q", 3.0), ("r", 4.0)):
+        pins.add(turn(f"{session}/1", [1], session_id=session), 0.0, expires_at)
+    pins.next_turn_arrived("p", 1.0)
+    assert [pin.request.request_id for pin in pins.pop_expired(3.0)] == ["q/1"]
+    assert pins.pop_least_time_left(keep="p").request.request_id == "r/1"
+    assert pins.pop_least_time_left(keep="p") is None
+    assert pins.pop_expired(100.0) == [] and pins.pop_least_time_left(keep=None).request.request_id == "p/1"
