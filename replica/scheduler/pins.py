@@ -1,10 +1,11 @@
 """Continuum's KV pins: when a turn of an agent program ends in a tool call, its blocks stay held
-until the program's next turn arrives to reuse them, or until a time-to-live predicted from the
-tool gaps observed so far.
+for the program's next turn, for a time-to-live predicted from the tool gaps observed so far; once
+that turn has arrived, until it has run (however long it waits for admission).
 
 A pin never costs a running request: the scheduler releases pins (expired ones at the start of each
-step, then the ones with the least time left) before it preempts. A waiting request releases pins
-that have time left only when nothing runs.
+step, then the ones with the least time left, those whose next turn arrived last) before it
+preempts. A waiting request releases pins that have time left only when nothing runs, or once pins
+have held it back for pin_ttl_max_s.
 """
 import heapq
 import itertools
