@@ -23,7 +23,10 @@ from benchmarks.sim.experiment import ClusterSpec, capacity, run  # noqa: E402
 from benchmarks.sim.report import RunMetrics, plot, routers_table, routers_verdict, table, verdict  # noqa: E402
 from benchmarks.sim.routers import CORE_POLICIES, POLICIES  # noqa: E402
 from benchmarks.sim.step_model import CALIBRATION, StepModel, cpu_name  # noqa: E402
-from benchmarks.sim.workloads import WORKLOADS  # noqa: E402
+from benchmarks.sim.workloads import MAX_CONTEXT, WORKLOADS, max_context  # noqa: E402
+
+# coding-agents' contexts need replicas of a longer max_model_len and more blocks: benchmarks/bench_agents.py
+ROUTING_WORKLOADS = [name for name in WORKLOADS if max_context(name) <= MAX_CONTEXT]
 
 
 def _calibration() -> str:
@@ -35,7 +38,7 @@ def _calibration() -> str:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--workloads", nargs="+", default=ROUTING_WORKLOADS, choices=ROUTING_WORKLOADS)
     parser.add_argument("--replicas", nargs="+", type=int, default=[4, 8, 16])
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     parser.add_argument("--load", type=float, default=0.9, help="arrival rate / measured capacity")

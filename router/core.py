@@ -305,6 +305,8 @@ class Router:
             if now - booking.routed_at < self.config.booking_ttl_s:
                 return
             self.release(booking.request_id)
+            if booking.session_id is not None:  # most likely still queued or running: its next turn follows it
+                self._sessions.remember(booking.session_id, booking.replica_id, booking.session_turn, now)
 
     def _report(self, replica_id: str, stats: SchedulerStats, finished: list[FinishedRequest]) -> _Replica:
         replica = self._replica(replica_id)

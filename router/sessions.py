@@ -65,6 +65,12 @@ class ParkedSessions:
         self._expected_tokens[replica_id] += expected
         self._num_counted[replica_id] += 1
 
+    def remember(self, session_id: str, replica_id: str, num_turns: int, now: float) -> None:
+        """The session's turn number num_turns went to replica_id and its finish may never be reported (its
+        booking expired): its next turn is still a later turn."""
+        self._remembered.pop(session_id, None)
+        self._remembered[session_id] = _Parked(replica_id, now, num_turns, 0.0)
+
     def expected_tokens(self, session_turn: int, num_uncached_tokens: int) -> float:
         """What a session is expected to bring per turn while its turn session_turn (0: no session) runs."""
         if session_turn == 0:

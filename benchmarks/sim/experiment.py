@@ -1,6 +1,8 @@
 """One simulated run end to end, and the capacity that loads are relative to."""
 from dataclasses import dataclass
+from pathlib import Path
 
+from replica.scheduler.trace import SchedulerTrace
 from router import PolicyConfig
 
 from .cluster import RequestRecord, SimClock, Simulation
@@ -16,18 +18,21 @@ from .workloads import Program, Turn, assign_starts, make_workload
 class ClusterSpec:
     num_blocks: int = 2048      # KV blocks per replica: 32k tokens at 16 per block
     block_size: int = 16
+    max_model_len: int = 8192
     publish_lag_s: float = 0.01  # a publication reaches the router this long after its step
     queue_policy: str = "fcfs"   # the replicas' SchedulerConfig.policy
     num_routers: int = 1         # ingress replicas routing with views of their own
     sync_delay_s: float = 0.02   # with several routers: the extra delay before a router learns anything
     shared_bookings: bool = True  # each router's bookings reach the others
+    pin_trace_dir: str | None = None  # each replica writes its pin records (replica.scheduler.trace) here
 
 
 def simulate(programs: list[Program], num_replicas: int, policy: str, step_model: StepModel,
              spec: ClusterSpec, seed: int, config: PolicyConfig | None = None
              ) -> tuple[list[RequestRecord], list[SimReplica]]:
     clock = SimClock()
-    replicas = [SimReplica(f"r{i}", spec.num_blocks, spec.block_size, step_model, clock, spec.queue_policy)
+    replicas = [SimReplica(f"r{i}", spec.num_blocks, spec.block_size, step_model, clock, spec.queue_policy,
+                           spec.max_model_len, _pin_trace(spec, f"r{i}"))
                 for i in range(num_replicas)]
     replica_ids = [replica.replica_id for replica in replicas]
     routers = [make_router(policy, replica_ids, spec.block_size, clock, seed + k, config)
@@ -35,6 +40,12 @@ def simulate(programs: list[Program], num_replicas: int, policy: str, step_model
     simulation = Simulation(programs, replicas, routers, spec.block_size, clock, spec.publish_lag_s,
                             spec.sync_delay_s, spec.shared_bookings)
     return simulation.run(), replicas
+
+
+def _pin_trace(spec: ClusterSpec, replica_id: str) -> SchedulerTrace | None:
+    if spec.pin_trace_dir is None:
+        return None
+    return SchedulerTrace(str(Path(spec.pin_trace_dir) / f"{replica_id}.jsonl"), steps=False)
 
 
 def capacity(workload: str, step_model: StepModel, spec: ClusterSpec, seed: int, num_requests: int = 150) -> float:

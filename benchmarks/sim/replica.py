@@ -12,6 +12,7 @@ from replica.kv_cache import BlockHash, KVCacheManager, KVEvent
 from replica.request import Request, SamplingParams
 from replica.scheduler import ModelRunnerOutput, RequestOutput, Scheduler, SchedulerConfig, SchedulerOutput
 from replica.scheduler import SchedulerStats
+from replica.scheduler.trace import SchedulerTrace
 from router.messages import FinishedRequest
 
 from .step_model import StepModel
@@ -29,12 +30,13 @@ class Publication:
 
 class SimReplica:
     def __init__(self, replica_id: str, num_blocks: int, block_size: int, step_model: StepModel,
-                 clock: Callable[[], float], queue_policy: str = "fcfs", max_model_len: int = 8192):
+                 clock: Callable[[], float], queue_policy: str = "fcfs", max_model_len: int = 8192,
+                 trace: SchedulerTrace | None = None):
         self.replica_id = replica_id
         self.kv_cache_manager = KVCacheManager(num_blocks, block_size, watermark=WATERMARK,
                                                max_model_len=max_model_len)
         self.scheduler = Scheduler(SchedulerConfig(max_model_len=max_model_len, policy=queue_policy),
-                                   self.kv_cache_manager, clock)
+                                   self.kv_cache_manager, clock, trace=trace)
         self.step_model = step_model
         self.busy = False
         self._scripts: dict[str, list[int]] = {}

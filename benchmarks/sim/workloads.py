@@ -18,6 +18,11 @@ same at every n. Lengths are in tokens; U(a, b) is uniform on integers.
   template header, a task U(100, 300); each turn emits a tool call U(15, 50), then waits a
   tool gap lognormal(median 3 s, sigma 0.6) clipped to [1, 10] s and appends a tool result
   U(50, 400); a program ends early when its context passes 7000 tokens.
+- coding-agents: shaped like coding agents on SWE-bench-style tasks: programs of U(10, 50) turns; one
+  of 4 agent system prompts U(2000, 4000) after the template header, an issue U(200, 800); each turn
+  emits a tool call U(20, 100), then waits a tool gap lognormal(median 4 s, sigma 0.9) clipped to
+  [1, 30] s (tests, builds, searches) and appends a tool result U(300, 2000) (files, test output); a
+  program ends early when its context passes its own limit, U(20000, 60000) tokens.
 - document-qa: 2n documents U(3000, 6000), Zipf(1.0) popularity; single questions U(15, 60)
   with answers U(10, 60).
 Answers are shorter than production's to keep runs to minutes (every decode step is a real
@@ -30,7 +35,8 @@ from dataclasses import dataclass, field
 
 _VOCAB_IDS = range(100, 49152)  # SmolLM2's vocabulary, special tokens left out
 TEMPLATE_HEADER_TOKENS = 32
-MAX_CONTEXT = 7000
+MAX_CONTEXT = 7000  # every workload's but coding-agents'
+CODING_MAX_CONTEXT = 60_000
 
 
 @dataclass
@@ -87,33 +93,56 @@ def multi_turn(rng: random.Random, num_replicas: int, num_requests: int) -> list
 
 
 def agents(rng: random.Random, num_replicas: int, num_requests: int) -> list[Program]:
-    header = _draw(rng, TEMPLATE_HEADER_TOKENS, TEMPLATE_HEADER_TOKENS)
-    system = [header + _draw(rng, 1000, 2000) for _ in range(4)]
-    programs, num_turns = [], 0
-    while num_turns < num_requests:
-        program = Program(f"agent{len(programs)}")
-        start = rng.choice(system) + _draw(rng, 100, 300)
+    def grow(program: Program, start: list[int]) -> None:
         _grow(program, rng, start, rng.randint(10, 30), (50, 400), (15, 50),
               lambda: min(max(rng.lognormvariate(math.log(3), 0.6), 1.0), 10.0))
+
+    return _agent_programs(rng, num_requests, "agent", (1000, 2000), (100, 300), grow)
+
+
+def coding_agents(rng: random.Random, num_replicas: int, num_requests: int) -> list[Program]:
+    def grow(program: Program, start: list[int]) -> None:
+        _grow(program, rng, start, rng.randint(10, 50), (300, 2000), (20, 100),
+              lambda: min(max(rng.lognormvariate(math.log(4), 0.9), 1.0), 30.0),
+              max_context=rng.randint(20_000, CODING_MAX_CONTEXT))
+
+    return _agent_programs(rng, num_requests, "coder", (2000, 4000), (200, 800), grow)
+
+
+def _agent_programs(rng: random.Random, num_requests: int, name: str, system_prompt: tuple[int, int],
+                    task: tuple[int, int], grow: Callable[[Program, list[int]], None]) -> list[Program]:
+    """Programs until they bring num_requests turns, each starting from one of 4 system prompts and a task."""
+    header = _draw(rng, TEMPLATE_HEADER_TOKENS, TEMPLATE_HEADER_TOKENS)
+    system = [header + _draw(rng, *system_prompt) for _ in range(4)]
+    programs, num_turns = [], 0
+    while num_turns < num_requests:
+        program = Program(f"{name}{len(programs)}")
+        grow(program, rng.choice(system) + _draw(rng, *task))
         programs.append(program)
         num_turns += len(program.turns)
     return programs
 
 
 def _grow(program: Program, rng: random.Random, context: list[int], num_turns: int, new_input: tuple[int, int],
-          answer: tuple[int, int], gap: Callable[[], float]) -> None:
-    """Append turns, each one's prompt = context so far + new input; stop before MAX_CONTEXT."""
+          answer: tuple[int, int], gap: Callable[[], float], max_context: int = MAX_CONTEXT) -> None:
+    """Append turns, each one's prompt = context so far + new input; stop before max_context."""
     for index in range(num_turns):
         prompt = context + _draw(rng, *new_input)
         output = _draw(rng, *answer)
-        if len(prompt) + len(output) > MAX_CONTEXT:
+        if len(prompt) + len(output) > max_context:
             return
         program.turns.append(Turn(prompt, output, gap() if index else 0.0))
         context = prompt + output
 
 
 WORKLOADS: dict[str, Callable[[random.Random, int, int], list[Program]]] = {
-    "system-prompts": system_prompts, "multi-turn": multi_turn, "agents": agents, "document-qa": document_qa}
+    "system-prompts": system_prompts, "multi-turn": multi_turn, "agents": agents, "document-qa": document_qa,
+    "coding-agents": coding_agents}
+
+
+def max_context(workload: str) -> int:
+    """The longest prompt and answer a workload's turn brings, in tokens."""
+    return CODING_MAX_CONTEXT if workload == "coding-agents" else MAX_CONTEXT
 
 
 def make_workload(name: str, seed: int, num_replicas: int, num_requests: int) -> list[Program]:

@@ -19,4 +19,5 @@ class SchedulerConfig(pydantic.BaseModel):
     # None: the engine decides (on with CUDA, where host work is a sizeable part of a step)
     async_scheduling: bool | None = None
     pin_ttl_default_s: float = pydantic.Field(2.0, ge=0)  # a pin's TTL before any tool gap was observed
-    pin_ttl_max_s: float = pydantic.Field(10.0, ge=0)  # cap on a pin's TTL, however long the observed gaps
+    # cap on a pin's TTL, however long the observed gaps: coding agents wait up to 30 s for tests and builds
+    pin_ttl_max_s: float = pydantic.Field(30.0, ge=0)

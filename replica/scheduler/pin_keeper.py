@@ -8,7 +8,7 @@ from replica.kv_cache import KVCacheManager
 from replica.request import Request, RequestStatus
 from replica.scheduler.config import SchedulerConfig
 from replica.scheduler.output import PinStats
-from replica.scheduler.pins import Pins, ToolGapEstimator
+from replica.scheduler.pins import Pin, Pins, ToolGapEstimator
 from replica.scheduler.trace import SchedulerTrace
 
 _PINNABLE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
@@ -30,14 +30,15 @@ class PinKeeper:
 
     def arrived(self, request: Request) -> None:
         if (pinned_session := self.pins.session_of(request.request_id)) is not None:
-            self._kv.free(self.pins.pop(pinned_session).request)  # the id of a finished, pinned turn, used again
+            self._end(self.pins.pop(pinned_session), "reused")  # the id of a finished, pinned turn, used again
         if self._tool_gaps is not None and request.session_id is not None and \
                 self._tool_gaps.turn_arrived(request.session_id, self._clock()):
             self._next_turns.add(request.request_id)
+            self.pins.next_turn_arrived(request.session_id, self._clock())
 
     def expire(self) -> None:
         for pin in self.pins.pop_expired(self._clock()):
-            self._kv.free(pin.request)
+            self._end(pin, "expired")
             if not pin.hit:
                 self._count("expired", pin.request.request_id)
 
@@ -70,7 +71,7 @@ class PinKeeper:
         pin = self.pins.pop_least_time_left(keep=request.session_id)
         if pin is None:
             return False
-        self._kv.free(pin.request)
+        self._end(pin, "released")
         self._count("released", pin.request.request_id)
         return True
 
@@ -84,13 +85,13 @@ class PinKeeper:
             self._kv.free(request)
             self._tool_gaps.forget(request.session_id)
             if (pin := self.pins.pop(request.session_id)) is not None:
-                self._kv.free(pin.request)
+                self._end(pin, "ended")
         else:
             self._pin(request)
 
     def release_all(self) -> None:
         for pin in self.pins.pop_all():
-            self._kv.free(pin.request)
+            self._end(pin, "reset")
 
     def snapshot(self) -> PinStats:
         pinned_blocks = {block_id for pin in self.pins for block_id in self._kv.get_block_ids(pin.request.request_id)}
@@ -104,10 +105,15 @@ class PinKeeper:
         if ttl <= 0:
             self._kv.free(request)
             return
-        previous = self.pins.add(request, now + ttl)
+        previous = self.pins.add(request, now, now + ttl)
         if previous is not None:
-            self._kv.free(previous.request)
+            self._end(previous, "replaced")
         self._count("pinned", request.request_id)
+
+    def _end(self, pin: Pin, end: str) -> None:
+        self._kv.free(pin.request)
+        if self._trace is not None:
+            self._trace.pin_ended(pin, end, self._clock())
 
     def _count(self, kind: str, request_id: str) -> None:
         setattr(self.stats, kind, getattr(self.stats, kind) + 1)

@@ -1,10 +1,11 @@
 """Continuum's KV pins: when a turn of an agent program ends in a tool call, its blocks stay held
-until the program's next turn arrives to reuse them, or until a time-to-live predicted from the
-tool gaps observed so far.
+for the program's next turn, for a time-to-live predicted from the tool gaps observed so far; once
+that turn has arrived, until it has run (however long it waits for admission).
 
 A pin never costs a running request: the scheduler releases pins (expired ones at the start of each
-step, then the ones with the least time left) before it preempts. A waiting request releases pins
-that have time left only when nothing runs.
+step, then the ones with the least time left, those whose next turn arrived last) before it
+preempts. A waiting request releases pins that have time left only when nothing runs, or once pins
+have held it back for pin_ttl_max_s.
 """
 import heapq
 import itertools
@@ -65,10 +66,17 @@ class ToolGapEstimator:
 class Pin:
     """Held from the turn's finish until the program's next turn finishes (and pins its own blocks),
     or until it expires: also while the next turn runs, so that a preempted next turn finds its
-    history still there."""
+    history still there. Once the next turn has arrived the pin no longer expires: the time the turn
+    waits for admission is not part of the tool gap its TTL predicted."""
     request: Request  # the finished turn whose blocks are held
+    pinned_at: float
     expires_at: float
     hit: bool = False  # the program's next turn was admitted while it held the history
+    next_turn_arrived_at: float | None = None
+
+    @property
+    def next_turn_arrived(self) -> bool:
+        return self.next_turn_arrived_at is not None
 
 
 class Pins:
@@ -77,15 +85,17 @@ class Pins:
     def __init__(self) -> None:
         self._by_session: dict[str, Pin] = {}
         self._by_request_id: dict[str, str] = {}  # request id -> its session
-        # (expires_at, order, pin), soonest first. Entries of pins that already ended stay until they
-        # reach the top (within pin_ttl_max_s), so checking expiry every step costs nothing when none is due.
+        # (expires_at, order, pin), soonest first. Entries of pins that already ended, or whose next turn
+        # arrived, stay until they reach the top (within pin_ttl_max_s), so checking expiry every step
+        # costs nothing when none is due.
         self._by_expiry: list[tuple[float, int, Pin]] = []
+        self._next_turn_arrived: dict[str, Pin] = {}  # by session, the earliest arrived first
         self._order = itertools.count()
 
-    def add(self, request: Request, expires_at: float) -> Pin | None:
+    def add(self, request: Request, now: float, expires_at: float) -> Pin | None:
         """Pin the request's blocks; returns the program's previous pin, to release."""
         previous = self.pop(request.session_id)
-        pin = self._by_session[request.session_id] = Pin(request, expires_at)
+        pin = self._by_session[request.session_id] = Pin(request, now, expires_at)
         self._by_request_id[request.request_id] = request.session_id
         heapq.heappush(self._by_expiry, (expires_at, next(self._order), pin))
         return previous
@@ -94,7 +104,15 @@ class Pins:
         pin = self._by_session.pop(session_id, None)
         if pin is not None:
             del self._by_request_id[pin.request.request_id]
+            self._next_turn_arrived.pop(session_id, None)
         return pin
+
+    def next_turn_arrived(self, session_id: str | None, now: float) -> None:
+        """The program's next turn arrived: its pin stops expiring."""
+        pin = self._by_session.get(session_id)
+        if pin is not None and not pin.next_turn_arrived:
+            pin.next_turn_arrived_at = now
+            self._next_turn_arrived[session_id] = pin
 
     def get(self, session_id: str | None) -> Pin | None:
         return self._by_session.get(session_id)
@@ -112,7 +130,12 @@ class Pins:
         return [self.pop(pin.request.session_id) for _, _, pin in sorted(expired, key=lambda entry: entry[1])]
 
     def pop_least_time_left(self, keep: str | None) -> Pin | None:
-        """The pin closest to expiry, other than program keep's (its own turn needs it)."""
+        """The pin closest to expiry, other than program keep's (its own turn needs it); pins whose next
+        turn arrived go last, the earliest arrived first."""
+        return self._pop_soonest_expiring(keep) or \
+            self.pop(next((session_id for session_id in self._next_turn_arrived if session_id != keep), None))
+
+    def _pop_soonest_expiring(self, keep: str | None) -> Pin | None:
         kept, found = [], None
         while self._by_expiry and found is None:
             entry = heapq.heappop(self._by_expiry)
@@ -126,7 +149,8 @@ class Pins:
         return found
 
     def _is_current(self, pin: Pin) -> bool:
-        return self._by_session.get(pin.request.session_id) is pin
+        """Still held and still expiring."""
+        return self._by_session.get(pin.request.session_id) is pin and not pin.next_turn_arrived
 
     def pop_all(self) -> list[Pin]:
         return [self.pop(session_id) for session_id in list(self._by_session)]

@@ -51,14 +51,16 @@ class _StepPlan:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 clock: Callable[[], float] = time.monotonic, *, num_speculative_tokens: int = 0):
+                 clock: Callable[[], float] = time.monotonic, *, num_speculative_tokens: int = 0,
+                 trace: SchedulerTrace | None = None):
         """num_speculative_tokens: the most drafts a request brings to a step; running requests get
-        slots for that many tokens beyond this step's, so the next step's drafts already have them."""
+        slots for that many tokens beyond this step's, so the next step's drafts already have them.
+        trace: None means the one PREFIXSERVE_SCHED_TRACE names, if any."""
         self.config = config
         self.num_lookahead_tokens = num_speculative_tokens
         self.kv_cache_manager = kv_cache_manager
         self.requests: dict[str, Request] = {}
-        self._trace = SchedulerTrace.from_env()
+        self._trace = trace or SchedulerTrace.from_env()
         self._pin_keeper = PinKeeper(config, kv_cache_manager, clock, self._trace)
         match config.policy:
             case "priority":
@@ -103,7 +105,7 @@ class Scheduler:
                         request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
                     request.num_output_placeholders += 1  # this step samples a token the next one builds on
         self.finished_req_ids = set()
-        if self._trace is not None:
+        if self._trace is not None and self._trace.steps:
             self._record_trace(plan)
         return output
 

@@ -77,3 +77,14 @@ def test_pooled_reference_counts_shared_blocks_and_floors_each_ttft_at_its_uncac
     # in arrival order: a finds nothing; b finds the two shared blocks, 32 of its 48 tokens
     assert reference.hit_rate == pytest.approx(32 / 96)
     assert reference.ttft_floor == pytest.approx([0.1 + 0.01 * 48, 0.1 + 0.01 * 16])
+
+
+def test_coding_agents_grow_long_histories_turn_by_turn():
+    programs = make_workload("coding-agents", seed=1, num_replicas=1, num_requests=100)
+    assert [len(program.turns) for program in programs] == [15, 23, 21, 16, 29]
+    assert [len(program.turns[-1].prompt) + len(program.turns[-1].output) for program in programs] == [
+        25054, 33069, 31220, 20508, 43339]
+    assert [round(turn.gap_s, 2) for turn in programs[0].turns[:6]] == [0.0, 1.0, 3.92, 3.24, 5.28, 7.29]
+    for program in programs:  # every turn's prompt starts with the previous turn's prompt and answer
+        for previous, turn in zip(program.turns, program.turns[1:]):
+            assert turn.prompt[:len(previous.prompt) + len(previous.output)] == previous.prompt + previous.output

@@ -1,7 +1,7 @@
 """The continuum policy: a program's finished turn keeps its blocks pinned for the next turn."""
 from replica.request import Request, RequestStatus, SamplingParams
 from replica.scheduler import PinStats, Scheduler
-from replica.scheduler.pins import ToolGapEstimator
+from replica.scheduler.pins import Pins, ToolGapEstimator
 
 from .scheduler_helpers import FakeClock, make_scheduler, step
 
@@ -91,6 +91,21 @@ def pin_two_programs(clock: FakeClock, scheduler) -> None:
     for start, session in ((0.0, "p"), (1.0, "q")):
         clock.now = start
         run_to_completion(scheduler, turn(f"{session}/1", [ord(session)] * 8, session_id=session))
+
+
+def test_a_pin_outlives_its_ttl_once_the_next_turn_arrived_and_waits():
+    clock, scheduler = continuum(max_num_seqs=1)
+    run_to_completion(scheduler, turn("p/1", [ord("p")] * 8))  # pinned until 2.0
+    scheduler.add_request(turn("x", list(range(100, 104)), session_id=None, max_tokens=8))
+    step(scheduler)
+    clock.now = 1.5
+    scheduler.add_request(turn("p/2", [ord("p")] * 8 + [7, 1]))  # waits for x's seat
+    clock.now = 2.5
+    step(scheduler)
+    assert "p" in scheduler.pins and num_free(scheduler) == 15  # x: 2 blocks, p's pin: 2
+    assert run_to_completion(scheduler) == ["x", "p/2"]
+    assert scheduler.make_stats().pins == PinStats(num_pinned_blocks=3, pinned=2, hits=1, next_turn_queries=10,
+                                                   next_turn_hits=8)
 
 
 def test_with_nothing_running_an_admission_takes_the_pins_with_the_least_time_left():
@@ -203,3 +218,14 @@ def test_a_request_held_back_by_pins_for_pin_ttl_max_s_takes_them():
     assert step(scheduler)[0].num_scheduled_tokens == {"running": 1, "r": 28}
     assert scheduler.make_stats().pins == PinStats(pinned=2, hits=1, released=1, next_turn_queries=12,
                                                    next_turn_hits=8)
+
+
+def test_pins_whose_next_turn_arrived_never_expire_and_are_released_last():
+    pins = Pins()
+    for session, expires_at in (("p", 2.0), ("q", 3.0), ("r", 4.0)):
+        pins.add(turn(f"{session}/1", [1], session_id=session), 0.0, expires_at)
+    pins.next_turn_arrived("p", 1.0)
+    assert [pin.request.request_id for pin in pins.pop_expired(3.0)] == ["q/1"]
+    assert pins.pop_least_time_left(keep="p").request.request_id == "r/1"
+    assert pins.pop_least_time_left(keep="p") is None
+    assert pins.pop_expired(100.0) == [] and pins.pop_least_time_left(keep=None).request.request_id == "p/1"

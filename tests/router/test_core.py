@@ -284,6 +284,22 @@ def test_a_later_turn_stays_with_its_session_through_decode_load():
     assert router.choose("s/2", turn, ["a", "b"], session_id="s") == RoutingDecision("a", 10, "prefix_hit")
 
 
+def test_a_turn_that_outlives_its_booking_leaves_its_next_turn_with_its_session():
+    clock = FakeClock()
+    router = make_router(clock, request_cost_tokens=64, step_overhead_tokens=0, booking_ttl_s=60.0)
+    publish(router, "b", 1)
+    history = chain(*range(1, 11))
+    assert router.choose("s/1", history, ["a"], session_id="s").replica_id == "a"
+    clock.now = 61.0  # s/1 still waits in a's queue when the next routing expires its booking
+    router.choose("r", chain(50), ["b"])
+    finish(router, "a", 1, "s/1", history)
+    publish(router, "a", 2, num_running=20)
+    clock.now = 64.0
+    # still the session's second turn: 8 on a against 88 on b (as a first turn: 8 + 64 x 20 on a)
+    assert router.choose("s/2", chain(*range(1, 12)), ["a", "b"], session_id="s") == \
+        RoutingDecision("a", 10, "prefix_hit")
+
+
 def test_preemptions_within_the_window_turn_requests_away():
     clock = FakeClock()
     router = make_router(clock, preemption_window_s=10.0, assume_routed_prefix_cached=False)
