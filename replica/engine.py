@@ -95,9 +95,8 @@ class EngineCore:
         self._proposer = NgramProposer(config.num_speculative_tokens, config.ngram_min, config.ngram_max) \
             if config.num_speculative_tokens else None
         backend = resolve_backend(config.backend, device, checkpoint.config.head_dim)
-        # CUDA graphs capture decode steps on one rank only: collectives are launched eagerly
         spec = RunnerSpec(config.model, dtype, device, backend, cache.block_size, num_blocks,
-                          cuda_graphs=not config.enforce_eager and tp_size == 1,
+                          cuda_graphs=not config.enforce_eager,
                           max_num_seqs=config.scheduler.max_num_seqs,
                           max_blocks_per_seq=-(-self.max_model_len // cache.block_size))
         self.runner: ModelRunner | Executor = build_runner(spec) if tp_size == 1 else make_executor(spec, tp_size)

@@ -26,7 +26,7 @@ class RunnerSpec:
     backend: Backend
     block_size: int
     num_blocks: int
-    cuda_graphs: bool = False  # capture decode steps where the kernels allow (see decode_graphs)
+    cuda_graphs: bool = False  # capture decode steps where the kernels and ranks allow (see decode_graphs)
     max_num_seqs: int = 0
     max_blocks_per_seq: int = 0
 
@@ -42,8 +42,10 @@ def build_runner(spec: RunnerSpec, tp: TensorParallel = TensorParallel(),
 
 
 def decode_graphs(spec: RunnerSpec, model: LlamaForCausalLM, kv_caches: list[KVCache]) -> DecodeGraphs | None:
-    # the torch reference kernels sync with the host (boolean masks): only Triton's can be captured
-    if not spec.cuda_graphs or spec.backend != "triton" or kv_caches[0][0].device.type != "cuda":
+    # the torch reference kernels sync with the host (boolean masks): only Triton's can be captured;
+    # with several ranks the collectives are launched eagerly, so every step is
+    if (not spec.cuda_graphs or spec.backend != "triton" or kv_caches[0][0].device.type != "cuda"
+            or model.tp.size > 1):
         return None
     return DecodeGraphs(model, kv_caches, spec.max_num_seqs, spec.max_blocks_per_seq)
 
