@@ -8,7 +8,8 @@ Either way each emitted token is distributed exactly as sampling one token at a 
 """
 import torch
 
-from replica.executor.sampler import Sampled, SamplingMetadata, random_sample, target_probs, with_logprobs
+from replica.executor.sampler import (Sampled, SamplingMetadata, random_sample, target_probs, uniform_per_row,
+                                      with_logprobs)
 
 
 def rejection_sample(logits: torch.Tensor, draft_token_ids: torch.Tensor,
@@ -27,7 +28,7 @@ def rejection_sample(logits: torch.Tensor, draft_token_ids: torch.Tensor,
         rows = has_draft.nonzero().squeeze(1)
         drafts = draft_token_ids[rows]
         random_accepted = torch.zeros_like(has_draft)
-        uniform = _uniform(probs.shape[0], metadata.generators, probs.device)
+        uniform = uniform_per_row(probs.shape[0], metadata.generators, probs.device)
         random_accepted[rows] = uniform[rows] < probs[rows, drafts]
         probs[rows, drafts] = 0.0  # where the draft is rejected, the next token is anything but it
         is_random = metadata.temperatures > 0
@@ -48,12 +49,3 @@ def num_emitted(accepted: list[bool], num_drafts: list[int]) -> list[int]:
         start += count + 1
     return counts
 
-
-def _uniform(num_rows: int, generators: dict[int, torch.Generator], device: torch.device) -> torch.Tensor:
-    """U[0, 1) per row; seeded rows draw from their own generator."""
-    uniform = torch.empty(num_rows, device=device)
-    if len(generators) < num_rows:
-        uniform.uniform_()
-    for row, generator in generators.items():
-        uniform[row] = torch.rand(1, generator=generator, device=device)[0]
-    return uniform
