@@ -17,7 +17,7 @@ void silu_and_mul_vec(T* out, const T* gate, const T* up) {
 
 template <typename T>
 void silu_and_mul(T* out, const T* gate_up, int64_t num_tokens, int64_t size, int64_t stride_token) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (num_tokens * size >= kMinParallelElements)
   for (int64_t token = 0; token < num_tokens; ++token) {
     const T* gate = gate_up + token * stride_token;
     const T* up = gate + size;

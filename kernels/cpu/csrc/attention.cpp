@@ -45,12 +45,14 @@ class PagedAttention {
 
   void run() const {
     std::vector<int64_t> first_tile(a_.num_reqs + 1, 0);  // request r owns tiles [first_tile[r], first_tile[r+1])
+    int64_t num_scores = 0;  // query tokens x context positions, summed over the requests
     for (int64_t r = 0; r < a_.num_reqs; ++r) {
       const int64_t query_len = a_.query_start_loc[r + 1] - a_.query_start_loc[r];
       first_tile[r + 1] = first_tile[r] + (query_len + tokens_per_tile_ - 1) / tokens_per_tile_;
+      num_scores += query_len * a_.seq_lens[r];
     }
     const int64_t num_items = first_tile[a_.num_reqs] * a_.num_kv_heads;
-#pragma omp parallel
+#pragma omp parallel if (num_scores * a_.num_heads * kHeadDim >= kMinParallelElements)
     {
       std::vector<Row> rows(tokens_per_tile_ * group_);
       auto chunk = std::make_unique<Chunk>();

@@ -3,6 +3,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "common.h"
+
 extern "C" void prefixserve_write_kv_cache(const char* key, const char* value, char* key_cache, char* value_cache,
                                            const int64_t* slot_mapping, int64_t num_tokens, int64_t num_kv_heads,
                                            int64_t head_bytes, int64_t block_size, int64_t stride_key_token,
@@ -10,7 +12,8 @@ extern "C" void prefixserve_write_kv_cache(const char* key, const char* value, c
                                            int64_t stride_value_head, int64_t stride_cache_block,
                                            int64_t stride_cache_slot, int64_t stride_cache_head) {
   // strides in bytes
-#pragma omp parallel for schedule(static)
+  using prefixserve::kMinParallelElements;  // head_bytes / 4: the fp32 elements of as many bytes
+#pragma omp parallel for schedule(static) if (num_tokens * num_kv_heads * head_bytes / 4 >= kMinParallelElements)
   for (int64_t token = 0; token < num_tokens; ++token) {
     const int64_t slot = slot_mapping[token];
     if (slot < 0) continue;

@@ -38,6 +38,12 @@ template <typename T> inline float round_to(float x) { return to_float(from_floa
 
 constexpr float kLog2e = 1.4426950408889634f;
 
+// Below this many elements an element-wise kernel runs on the calling thread: waking the OpenMP team
+// costs more than the work, and on a busy machine a parallel region waits for its slowest thread's
+// next time slice (a 64-row decode step of the default model on 2 threads, another process running:
+// 4x slower than on 1 thread).
+constexpr int64_t kMinParallelElements = int64_t{1} << 16;
+
 // Calls f with a value of the element type that a dtype code names.
 template <typename F> void dispatch(int64_t dtype, F&& f) {
   switch (dtype) {

@@ -9,7 +9,7 @@ namespace {
 template <typename T>
 void rms_norm(T* out, T* new_residual, const T* x, const T* residual, const T* weight, int64_t num_tokens,
               int64_t hidden_size, int64_t stride_x, int64_t stride_residual, float eps) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (num_tokens * hidden_size >= kMinParallelElements)
   for (int64_t token = 0; token < num_tokens; ++token) {
     const T* row = x + token * stride_x;
     if (residual != nullptr) {  // the sum, rounded to T as torch's x + residual is, is both output and input

@@ -21,7 +21,8 @@ void apply_rotary(T* query_out, T* key_out, const T* query, const T* key, const 
                   int64_t head_dim, int64_t stride_query_token, int64_t stride_query_head,
                   int64_t stride_key_token, int64_t stride_key_head) {
   const int64_t half = head_dim / 2;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (num_tokens * (num_heads + num_kv_heads) * head_dim >= \
+                                                    kMinParallelElements)
   for (int64_t token = 0; token < num_tokens; ++token) {
     const float* cos = cos_sin_cache + positions[token] * head_dim;
     const float* sin = cos + half;
