@@ -3,9 +3,10 @@
 //
 // A work item is one KV head of one tile of a request's query tokens. Its rows are those tokens
 // times the query heads sharing that KV head, so each K/V position is read and converted once for
-// the whole group. It walks the context through the block table in chunks of one vector's width
-// of positions: per row, that many dot products become one vector of scores, then an online-softmax
-// update (fp32, base 2).
+// the whole group. It walks the context through the block table in chunks of kChunkVecs vectors' width
+// of positions: per row, each vector's width of dot products becomes one vector of scores, then one
+// online-softmax update (fp32, base 2) for the whole chunk, so its horizontal reductions and rescale
+// are paid once per kChunkVecs * kLanes positions.
 #include <algorithm>
 #include <limits>
 #include <memory>
@@ -17,6 +18,8 @@ namespace prefixserve {
 namespace {
 
 constexpr int64_t kRowsPerTile = 32;  // query rows per work item (at least one token's group)
+constexpr int kChunkVecs = 4;         // score vectors per online-softmax update
+constexpr int kChunk = kChunkVecs * kLanes;  // context positions per chunk
 constexpr float kInfinity = std::numeric_limits<float>::infinity();
 
 struct AttentionArgs {
@@ -71,9 +74,9 @@ class PagedAttention {
     vfloat acc[kVecs];
     float max_score, denominator;
   };
-  struct Chunk {  // up to kLanes context positions of one KV head, in fp32
-    vfloat keys[kLanes][kVecs];
-    vfloat values[kLanes][kVecs];
+  struct Chunk {  // up to kChunk context positions of one KV head, in fp32
+    vfloat keys[kChunk][kVecs];
+    vfloat values[kChunk][kVecs];
   };
 
   void attend_tile(int64_t req, int64_t kv_head, int64_t tile, std::vector<Row>& rows, Chunk& chunk) const {
@@ -86,8 +89,8 @@ class PagedAttention {
     for (int64_t row = 0; row < num_rows; ++row) load_row(query_start + first_token, kv_head, row, rows[row]);
 
     const int64_t context_end = first_position + num_tokens;  // the last row sees up to here
-    for (int64_t chunk_start = 0; chunk_start < context_end; chunk_start += kLanes) {
-      const int64_t chunk_len = std::min<int64_t>(kLanes, context_end - chunk_start);
+    for (int64_t chunk_start = 0; chunk_start < context_end; chunk_start += kChunk) {
+      const int64_t chunk_len = std::min<int64_t>(kChunk, context_end - chunk_start);
       load_chunk(req, kv_head, chunk_start, chunk_len, chunk);
       for (int64_t row = 0; row < num_rows; ++row) {
         const int64_t position = first_position + row / group_;
@@ -115,7 +118,7 @@ class PagedAttention {
   void load_chunk(int64_t req, int64_t kv_head, int64_t chunk_start, int64_t chunk_len, Chunk& out) const {
     const int32_t* block_table = a_.block_tables + req * a_.stride_block_table;
     int64_t block = chunk_start / a_.block_size, slot = chunk_start % a_.block_size;  // no division per position
-    for (int64_t c = 0; c < kLanes; ++c) {
+    for (int64_t c = 0; c < kChunk; ++c) {
       if (c >= chunk_len) {  // past the context: zeros, never a read through the block table
         std::fill_n(out.keys[c], kVecs, vfloat{});
         std::fill_n(out.values[c], kVecs, vfloat{});
@@ -135,24 +138,41 @@ class PagedAttention {
 
   // One row against the first `visible` positions of the chunk: the online-softmax update.
   static void attend_chunk(int64_t visible, const Chunk& chunk, Row& row) {
-    vfloat partial[kLanes];
-    for (int c = 0; c < kLanes; ++c) {
-      partial[c] = row.query[0] * chunk.keys[c][0];
-      for (int v = 1; v < kVecs; ++v) partial[c] += row.query[v] * chunk.keys[c][v];
+    const int num_vecs = static_cast<int>((visible + kLanes - 1) / kLanes);
+    vfloat scores[kChunkVecs];
+    vfloat highest = broadcast(-kInfinity);
+    for (int s = 0; s < num_vecs; ++s) {
+      scores[s] = score_vec(row, chunk.keys + s * kLanes, static_cast<int32_t>(visible - s * kLanes));
+      highest = highest > scores[s] ? highest : scores[s];
     }
-    constexpr vint lane = lane_indices([](int c) { return c; });
-    const vfloat scores = lane < static_cast<int32_t>(visible) ? sum_lanes_of_each(partial) : broadcast(-kInfinity);
-    const float new_max = std::max(row.max_score, reduce_max(scores));
-    const vfloat weights = exp2_approx(scores - new_max);
+    const float new_max = std::max(row.max_score, reduce_max(highest));
     const float rescale = exp2_approx(broadcast(row.max_score - new_max))[0];
+    vfloat weights[kChunkVecs];
+    vfloat weight_sum = vfloat{};
+    for (int s = 0; s < num_vecs; ++s) {
+      weights[s] = exp2_approx(scores[s] - new_max);
+      weight_sum += weights[s];
+    }
     row.max_score = new_max;
-    row.denominator = row.denominator * rescale + reduce_sum(weights);
+    row.denominator = row.denominator * rescale + reduce_sum(weight_sum);
     vfloat acc[kVecs];
     for (int v = 0; v < kVecs; ++v) acc[v] = row.acc[v] * rescale;
     for (int64_t c = 0; c < visible; ++c) {
-      for (int v = 0; v < kVecs; ++v) acc[v] += weights[c] * chunk.values[c][v];
+      const float weight = weights[c / kLanes][c % kLanes];
+      for (int v = 0; v < kVecs; ++v) acc[v] += weight * chunk.values[c][v];
     }
     std::copy_n(acc, kVecs, row.acc);
+  }
+
+  // The row's scores against kLanes positions, -infinity from the `visible`-th on.
+  static vfloat score_vec(const Row& row, const vfloat (*keys)[kVecs], int32_t visible) {
+    vfloat partial[kLanes];
+    for (int c = 0; c < kLanes; ++c) {
+      partial[c] = row.query[0] * keys[c][0];
+      for (int v = 1; v < kVecs; ++v) partial[c] += row.query[v] * keys[c][v];
+    }
+    constexpr vint lane = lane_indices([](int c) { return c; });
+    return lane < visible ? sum_lanes_of_each(partial) : broadcast(-kInfinity);
   }
 
   void store_row(int64_t token, int64_t kv_head, int64_t row, const Row& in) const {
