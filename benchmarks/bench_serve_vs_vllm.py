@@ -431,6 +431,7 @@ def main() -> None:
         return offline_worker(*args.offline_worker)
     from replica.executor.checkpoint import load_checkpoint
 
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` too stops the servers' sessions
     workloads = make_workloads(args, load_checkpoint(args.model).config.vocab_size)
     skip_reason = vllm_skip_reason(args)
     if skip_reason:
