@@ -1,0 +1,88 @@
+"""benchmarks/bench_serve_vs_vllm.py's pure parts: the workloads it sends and the figures it computes."""
+import math
+import random
+
+import pytest
+
+from benchmarks import bench_serve_vs_vllm as bench
+from benchmarks.bench_serve_vs_vllm import RequestTiming
+
+
+def test_the_burst_has_prompts_of_the_exact_length_of_normal_ids_and_a_seed_reproduces_it():
+    workload = bench.random_burst(num_prompts=3, input_len=5, output_len=7, vocab_size=100, seed=0)
+    assert [len(prompt) for prompt in workload.prompts] == [5, 5, 5]
+    assert all(17 <= token < 100 for prompt in workload.prompts for token in prompt)
+    assert (workload.output_len, workload.request_rate) == (7, math.inf)
+    assert workload == bench.random_burst(3, 5, 7, 100, seed=0)
+    assert workload.prompts != bench.random_burst(3, 5, 7, 100, seed=1).prompts
+    assert workload.vllm_dataset == ["--dataset-name", "random", "--random-input-len", "5", "--random-output-len", "7"]
+
+
+def test_prefix_repetition_prompts_share_one_of_the_prefixes_exactly_and_end_in_suffixes_of_their_own():
+    workload = bench.prefix_repetition("prefix", num_prompts=8, num_prefixes=2, prefix_len=6, suffix_len=3,
+                                       output_len=4, vocab_size=1000, seed=0)
+    assert [len(prompt) for prompt in workload.prompts] == [9] * 8
+    prefixes = [tuple(prompt[:6]) for prompt in workload.prompts]
+    assert sorted(prefixes.count(prefix) for prefix in set(prefixes)) == [4, 4]
+    assert len({tuple(prompt[6:]) for prompt in workload.prompts}) == 8
+    assert prefixes != [prefixes[0], prefixes[1]] * 4  # shuffled, as vLLM's: not in the order they were made
+    assert workload == bench.prefix_repetition("prefix", 8, 2, 6, 3, 4, 1000, seed=0)
+    other = bench.prefix_repetition("prefix", 8, 2, 6, 3, 4, 1000, seed=1)
+    assert not {tuple(prompt[:6]) for prompt in other.prompts} & set(prefixes)
+    assert workload.vllm_dataset[-8:] == ["--prefix-repetition-prefix-len", "6", "--prefix-repetition-suffix-len",
+                                          "3", "--prefix-repetition-num-prefixes", "2",
+                                          "--prefix-repetition-output-len", "4"]
+
+
+def test_the_workloads_are_the_burst_the_prefix_burst_and_other_prefixes_at_the_request_rate():
+    args = bench.argparse.Namespace(num_prompts=4, input_len=8, output_len=2, num_prefixes=2, prefix_len=16,
+                                    suffix_len=4, prefix_output_len=3, request_rate=3.0, seed=5)
+    burst, prefix, paced = bench.make_workloads(args, vocab_size=500)
+    assert [w.name for w in (burst, prefix, paced)] == ["burst", "prefix", "prefix@3/s"]
+    assert [w.request_rate for w in (burst, prefix, paced)] == [math.inf, math.inf, 3.0]
+    assert [w.seed for w in (burst, prefix, paced)] == [5, 5, 6]
+    assert {len(p) for p in prefix.prompts} == {len(p) for p in paced.prompts} == {20}
+    assert not {tuple(p[:16]) for p in prefix.prompts} & {tuple(p[:16]) for p in paced.prompts}
+
+
+def test_arrivals_are_all_at_once_at_an_infinite_rate_else_seeded_exponential_gaps():
+    assert bench.arrival_offsets(3, math.inf, seed=0) == [0.0, 0.0, 0.0]
+    rng = random.Random(7)
+    gaps = [rng.expovariate(3.0) for _ in range(4)]
+    assert bench.arrival_offsets(4, 3.0, seed=7) == pytest.approx([sum(gaps[:i + 1]) for i in range(4)])
+    assert bench.arrival_offsets(4, 3.0, seed=7) == bench.arrival_offsets(4, 3.0, seed=7)
+
+
+def test_summary_figures_are_vllm_bench_serves_on_fabricated_timings():
+    timings = [RequestTiming(sent_s=0.0, first_token_s=0.1, finished_s=1.1, output_tokens=11),  # TPOT 1.0 / 10
+               RequestTiming(sent_s=0.0, first_token_s=0.3, finished_s=1.3, output_tokens=6),   # TPOT 1.0 / 5
+               RequestTiming(sent_s=1.0, first_token_s=1.2, finished_s=1.2, output_tokens=1)]   # no TPOT
+    result = bench.summarize(timings, duration_s=2.0)
+    assert result == pytest.approx({
+        "completed": 3, "duration": 2.0, "request_throughput": 1.5, "output_throughput": 9.0,
+        "median_ttft_ms": 200.0, "p99_ttft_ms": 298.0,  # TTFTs 0.1 0.2 0.3: 0.2 + 0.98 x 0.1 (numpy's linear)
+        "median_tpot_ms": 150.0})
+
+
+def test_vllm_bench_serve_gets_the_anchor_readmes_flags():
+    workload = bench.random_burst(64, 256, 64, 1000, seed=0)
+    command = bench.vllm_bench_command(bench.Path("/a"), "http://127.0.0.1:9", "smollm2", workload, bench.Path("/r"))
+    assert command == ["/a/venv/bin/python", "/a/vllm_cli.py", "bench", "serve", "--backend", "openai",
+                       "--endpoint", "/v1/completions", "--base-url", "http://127.0.0.1:9", "--model", "smollm2",
+                       "--tokenizer", "/a/smollm2-135m-hf", "--dataset-name", "random", "--random-input-len", "256",
+                       "--random-output-len", "64", "--num-prompts", "64", "--request-rate", "inf", "--ignore-eos",
+                       "--seed", "0", "--save-result", "--result-dir", "/r", "--result-filename", "result.json"]
+
+
+def test_the_verdict_checks_issue_30s_bars_only_where_vllm_ran():
+    figures = {"output_throughput": 120.0, "median_ttft_ms": 50.0, "median_tpot_ms": 20.0}
+    vllm = {"burst": {**figures, "output_throughput": 100.0}, "prefix": {**figures, "output_throughput": 90.0},
+            "prefix@3/s": {**figures, "median_ttft_ms": 60.0, "median_tpot_ms": 10.0}}
+    served = {name: figures for name in vllm}
+    assert bench.verdict(served, vllm, None, "prefix@3/s") == [
+        "- burst: 1.20x vLLM's output tok/s (met: 1.2x)",
+        "- prefix: 1.33x vLLM's output tok/s (met: 1.2x)",
+        "- prefix@3/s median_ttft_ms: 50.0 against vLLM's 60.0 (met: no worse)",
+        "- prefix@3/s median_tpot_ms: 20.0 against vLLM's 10.0 (not met: no worse)"]
+    [line] = bench.verdict(served, None, "vLLM skipped: no AVX-512", "prefix@3/s")
+    assert "not checkable here. vLLM skipped: no AVX-512." in line
