@@ -2,6 +2,7 @@
 instead of freed, when pins end, and what happened to them (PinStats). Under other queue policies
 it pins nothing and frees every finished request."""
 import dataclasses
+from collections import OrderedDict
 from collections.abc import Callable
 
 from replica.kv_cache import KVCacheManager
@@ -12,6 +13,7 @@ from replica.scheduler.pins import Pin, Pins, ToolGapEstimator
 from replica.scheduler.trace import SchedulerTrace
 
 _PINNABLE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+_PROGRAMS_REMEMBERED = 4096  # programs whose start is kept; a program that stops sending is forgotten eventually
 
 
 class PinKeeper:
@@ -27,14 +29,32 @@ class PinKeeper:
                            if config.policy == "continuum" else None)
         self._next_turns: set[str] = set()  # waiting requests whose program's previous turn finished here
         self._held_back: dict[str, float] = {}  # waiting request -> when pins first held it back
+        self._arrived_at: dict[str, float] = {}  # unfinished request -> when it arrived here
+        self._program_started: OrderedDict[str, float] = OrderedDict()  # program -> its earliest turn's arrival here
 
     def arrived(self, request: Request) -> None:
         if (pinned_session := self.pins.session_of(request.request_id)) is not None:
             self._end(self.pins.pop(pinned_session), "reused")  # the id of a finished, pinned turn, used again
-        if self._tool_gaps is not None and request.session_id is not None and \
-                self._tool_gaps.turn_arrived(request.session_id, self._clock()):
+        if self._tool_gaps is None:
+            return
+        now = self._arrived_at[request.request_id] = self._clock()
+        if request.session_id is None:
+            return
+        if request.session_id not in self._program_started:
+            self._program_started[request.session_id] = now
+            if len(self._program_started) > _PROGRAMS_REMEMBERED:
+                self._program_started.popitem(last=False)
+        if self._tool_gaps.turn_arrived(request.session_id, now):
             self._next_turns.add(request.request_id)
-            self.pins.next_turn_arrived(request.session_id, self._clock())
+            self.pins.next_turn_arrived(request.session_id, now)
+
+    def rank(self, request: Request) -> tuple[bool, float, float]:
+        """Continuum's order of the waiting requests, lowest first: pinned programs' turns, then by their program's
+        earliest turn here (program-level FCFS: a program that came first finishes first, and the histories of
+        programs that came later wait rather than evict each other), then by their own arrival."""
+        arrived_at = self._arrived_at[request.request_id]
+        return request.session_id not in self.pins, self._program_started.get(request.session_id, arrived_at), \
+            arrived_at
 
     def expire(self) -> None:
         for pin in self.pins.pop_expired(self._clock()):
@@ -78,12 +98,14 @@ class PinKeeper:
     def finished(self, request: Request) -> None:
         """Free the finished request's blocks, or pin them for its program's next turn."""
         self._held_back.pop(request.request_id, None)
+        self._arrived_at.pop(request.request_id, None)
         self._next_turns.discard(request.request_id)
         if request.session_id is None or self._tool_gaps is None:
             self._kv.free(request)
         elif request.last_turn or request.status not in _PINNABLE:  # the program ended, or was aborted
             self._kv.free(request)
             self._tool_gaps.forget(request.session_id)
+            self._program_started.pop(request.session_id, None)
             if (pin := self.pins.pop(request.session_id)) is not None:
                 self._end(pin, "ended")
         else:

@@ -176,6 +176,22 @@ def test_waiting_turns_of_pinned_programs_are_admitted_first():
     assert run_to_completion(scheduler) == ["p/2", "x", "q/1"]
 
 
+def test_waiting_turns_go_by_their_programs_first_arrival():
+    """Program-level FCFS: q's turn waits behind p's though it arrived first, because p came first."""
+    clock, scheduler = continuum(max_num_seqs=1)
+    for start, session in ((0.0, "p"), (1.0, "q")):
+        clock.now = start
+        run_to_completion(scheduler, turn(f"{session}/1", [ord(session)] * 8, session_id=session))
+    clock.now = 10.0  # both pins expired
+    scheduler.add_request(turn("x", list(range(100, 104)), session_id=None, max_tokens=4))
+    step(scheduler)
+    scheduler.add_request(turn("q/2", [ord("q")] * 8 + [7, 1], session_id="q"))
+    clock.now = 11.0
+    scheduler.add_request(turn("p/2", [ord("p")] * 8 + [7, 1]))
+    assert len(scheduler.pins) == 0
+    assert run_to_completion(scheduler) == ["x", "p/2", "q/2"]
+
+
 def test_resetting_the_prefix_cache_ends_every_pin():
     _, scheduler = continuum()
     run_to_completion(scheduler, turn("p/1", list(range(8))))
