@@ -28,7 +28,6 @@ class PinKeeper:
         self._tool_gaps = (ToolGapEstimator(config.pin_ttl_default_s, config.pin_ttl_max_s)
                            if config.policy == "continuum" else None)
         self._next_turns: set[str] = set()  # waiting requests whose program's previous turn finished here
-        self._held_back: dict[str, float] = {}  # waiting request -> when pins first held it back
         self._arrived_at: dict[str, float] = {}  # unfinished request -> when it arrived here
         self._program_started: OrderedDict[str, float] = OrderedDict()  # program -> its earliest turn's arrival here
 
@@ -48,13 +47,19 @@ class PinKeeper:
             self._next_turns.add(request.request_id)
             self.pins.next_turn_arrived(request.session_id, now)
 
-    def rank(self, request: Request) -> tuple[bool, float, float]:
-        """Continuum's order of the waiting requests, lowest first: pinned programs' turns, then by their program's
-        earliest turn here (program-level FCFS: a program that came first finishes first, and the histories of
-        programs that came later wait rather than evict each other), then by their own arrival."""
+    def rank(self, request: Request) -> tuple[bool, bool, float, float]:
+        """Continuum's order of the waiting requests, lowest first: those that waited pin_max_wait_s, pinned
+        programs' turns, then by their program's earliest turn here (program-level FCFS: a program that came first
+        finishes first, and the histories of programs that came later wait rather than evict each other), then by
+        their own arrival."""
         arrived_at = self._arrived_at[request.request_id]
-        return request.session_id not in self.pins, self._program_started.get(request.session_id, arrived_at), \
-            arrived_at
+        return not self._waited_too_long(request), request.session_id not in self.pins, \
+            self._program_started.get(request.session_id, arrived_at), arrived_at
+
+    def _waited_too_long(self, request: Request) -> bool:
+        """Since it arrived (a preempted request: since it first arrived), not since it reached the queue's head:
+        requests held back one after the other would add up their waits."""
+        return self._clock() - self._arrived_at[request.request_id] >= self._config.pin_max_wait_s
 
     def expire(self) -> None:
         for pin in self.pins.pop_expired(self._clock()):
@@ -63,7 +68,6 @@ class PinKeeper:
                 self._count("expired", pin.request.request_id)
 
     def admitted(self, request: Request, num_computed_tokens: int) -> None:
-        self._held_back.pop(request.request_id, None)
         if request.request_id in self._next_turns:
             self._next_turns.remove(request.request_id)
             self.stats.next_turn_queries += request.num_tokens
@@ -77,13 +81,8 @@ class PinKeeper:
         next turns, which go first: under memory pressure, releasing pins for new programs evicts the
         histories the pinned programs come back for, and both recompute (benchmarks/results/agents.md).
         With nothing running, waiting would leave the replica idle through the tool gaps; and programs
-        that keep coming back renew their pins, so a request held back by pins for pin_ttl_max_s
-        takes them."""
-        if not self.pins:
-            return False
-        now = self._clock()
-        held_since = self._held_back.setdefault(request.request_id, now)
-        return not anything_running or now - held_since >= self._config.pin_ttl_max_s
+        that keep coming back renew their pins, so a request that has waited pin_max_wait_s takes them."""
+        return bool(self.pins) and (not anything_running or self._waited_too_long(request))
 
     def release_one_for(self, request: Request) -> bool:
         """Free the pin with the least time left, other than the request's own program's: pins go before
@@ -97,7 +96,6 @@ class PinKeeper:
 
     def finished(self, request: Request) -> None:
         """Free the finished request's blocks, or pin them for its program's next turn."""
-        self._held_back.pop(request.request_id, None)
         self._arrived_at.pop(request.request_id, None)
         self._next_turns.discard(request.request_id)
         if request.session_id is None or self._tool_gaps is None:

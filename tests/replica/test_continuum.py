@@ -11,7 +11,7 @@ BLOCK_SIZE = 4
 def continuum(num_blocks: int = 20, **config) -> tuple[FakeClock, Scheduler]:
     clock = FakeClock()
     return clock, make_scheduler(num_blocks=num_blocks, block_size=BLOCK_SIZE, clock=clock, policy="continuum",
-                                 pin_ttl_default_s=2.0, **config)
+                                 **{"pin_ttl_default_s": 2.0} | config)
 
 
 def turn(request_id: str, prompt: list[int], session_id: str | None = "p", max_tokens: int = 1, **kwargs) -> Request:
@@ -216,8 +216,8 @@ def test_the_tool_gap_estimate_is_a_quantile_of_the_programs_own_gaps_then_every
     assert not estimator.turn_arrived("new", 5.0)
 
 
-def test_a_request_held_back_by_pins_for_pin_ttl_max_s_takes_them():
-    clock, scheduler = continuum(num_blocks=12, pin_ttl_max_s=3.0)
+def test_a_request_that_waited_pin_max_wait_s_takes_pins():
+    clock, scheduler = continuum(num_blocks=12, pin_max_wait_s=3.0)
     run_to_completion(scheduler, turn("p/1", [ord("p")] * 8))  # pinned until 2.0
     scheduler.add_request(turn("running", list(range(200, 208)), session_id=None, max_tokens=50))  # 2 blocks
     step(scheduler)
@@ -230,10 +230,35 @@ def test_a_request_held_back_by_pins_for_pin_ttl_max_s_takes_them():
     assert scheduler.pins.get("p").expires_at == 3.5
     clock.now = 3.1
     assert step(scheduler)[0].num_scheduled_tokens == {"running": 1}
-    clock.now = 3.2  # r was held back 3 s: p's pin goes, though it has 0.3 s left
+    clock.now = 3.2  # r waited 3 s: p's pin goes, though it has 0.3 s left
     assert step(scheduler)[0].num_scheduled_tokens == {"running": 1, "r": 28}
     assert scheduler.make_stats().pins == PinStats(pinned=2, hits=1, released=1, next_turn_queries=12,
                                                    next_turn_hits=8)
+
+
+def test_requests_held_back_together_wait_pin_max_wait_s_from_their_arrival_not_one_after_the_other():
+    clock, scheduler = continuum(num_blocks=9, pin_max_wait_s=3.0, pin_ttl_default_s=10.0)
+    pin_two_programs(clock, scheduler)  # 2 blocks each, until 10.0 and 11.0
+    scheduler.add_request(turn("running", list(range(200, 205)), session_id=None, max_tokens=50))  # 2 blocks
+    step(scheduler)
+    clock.now = 1.5
+    for request_id in ("r1", "r2"):  # 3 blocks each, 2 free
+        scheduler.add_request(turn(request_id, [ord(request_id[1])] * 12, session_id=None))
+    assert step(scheduler)[0].num_scheduled_tokens == {"running": 1}
+    clock.now = 4.5  # both waited 3 s: each takes a pin
+    assert step(scheduler)[0].num_scheduled_tokens == {"running": 1, "r1": 12, "r2": 12}
+    assert len(scheduler.pins) == 0
+
+
+def test_a_turn_that_waited_pin_max_wait_s_goes_ahead_of_pinned_programs():
+    clock, scheduler = continuum(max_num_seqs=1, pin_max_wait_s=3.0, pin_ttl_default_s=10.0)
+    run_to_completion(scheduler, turn("p/1", [ord("p")] * 8))
+    scheduler.add_request(turn("x", list(range(100, 104)), session_id=None, max_tokens=8))
+    step(scheduler)
+    scheduler.add_request(turn("q/1", [ord("q")] * 8, session_id="q"))
+    clock.now = 3.5
+    scheduler.add_request(turn("p/2", [ord("p")] * 8 + [7, 1]))
+    assert run_to_completion(scheduler) == ["x", "q/1", "p/2"]
 
 
 def test_pins_whose_next_turn_arrived_never_expire_and_are_released_last():
