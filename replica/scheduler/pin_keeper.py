@@ -85,9 +85,9 @@ class PinKeeper:
         return bool(self.pins) and (not anything_running or self._waited_too_long(request))
 
     def release_one_for(self, request: Request) -> bool:
-        """Free the pin with the least time left, other than the request's own program's: pins go before
-        any preemption."""
-        pin = self.pins.pop_least_time_left(keep=request.session_id)
+        """Free the pin of the program that came last, other than the request's own program's: under program-level
+        FCFS it is the one to wait longest anyway. Pins go before any preemption."""
+        pin = self.pins.pop_first(key=self._came_last_first, keep=request.session_id)
         if pin is None:
             return False
         self._end(pin, "released")
@@ -108,6 +108,9 @@ class PinKeeper:
                 self._end(pin, "ended")
         else:
             self._pin(request)
+
+    def _came_last_first(self, pin: Pin) -> float:
+        return -self._program_started.get(pin.request.session_id, pin.pinned_at)
 
     def release_all(self) -> None:
         for pin in self.pins.pop_all():

@@ -108,14 +108,14 @@ def test_a_pin_outlives_its_ttl_once_the_next_turn_arrived_and_waits():
                                                    next_turn_hits=8)
 
 
-def test_with_nothing_running_an_admission_takes_the_pins_with_the_least_time_left():
+def test_with_nothing_running_an_admission_takes_the_pin_of_the_program_that_came_last():
     clock, scheduler = continuum(num_blocks=10)
     pin_two_programs(clock, scheduler)
     assert num_free(scheduler) == 5
     scheduler.add_request(turn("r", list(range(100, 124)), session_id=None))  # 6 blocks
     output, _ = step(scheduler)
     assert output.num_scheduled_tokens == {"r": 24}
-    assert [pin.request.request_id for pin in scheduler.pins] == ["q/1"]
+    assert [pin.request.request_id for pin in scheduler.pins] == ["p/1"]  # p's has less time left, but p came first
     assert scheduler.make_stats().pins == PinStats(num_pinned_blocks=2, pinned=2, released=1)
 
 
@@ -261,12 +261,12 @@ def test_a_turn_that_waited_pin_max_wait_s_goes_ahead_of_pinned_programs():
     assert run_to_completion(scheduler) == ["x", "q/1", "p/2"]
 
 
-def test_pins_whose_next_turn_arrived_never_expire_and_are_released_last():
+def test_pins_whose_next_turn_arrived_never_expire():
     pins = Pins()
     for session, expires_at in (("p", 2.0), ("q", 3.0), ("r", 4.0)):
         pins.add(turn(f"{session}/1", [1], session_id=session), 0.0, expires_at)
     pins.next_turn_arrived("p", 1.0)
     assert [pin.request.request_id for pin in pins.pop_expired(3.0)] == ["q/1"]
-    assert pins.pop_least_time_left(keep="p").request.request_id == "r/1"
-    assert pins.pop_least_time_left(keep="p") is None
-    assert pins.pop_expired(100.0) == [] and pins.pop_least_time_left(keep=None).request.request_id == "p/1"
+    assert pins.pop_first(key=lambda pin: pin.expires_at, keep="p").request.request_id == "r/1"
+    assert pins.pop_first(key=lambda pin: pin.expires_at, keep="p") is None
+    assert pins.pop_expired(100.0) == [] and pins.pop_first(key=lambda pin: 0, keep=None).request.request_id == "p/1"
