@@ -63,8 +63,8 @@ class PriorityRequestQueue:
 
 
 class ContinuumRequestQueue(FCFSRequestQueue):
-    """The waiting request that rank orders first goes first (PinKeeper.rank: pinned programs' turns, then
-    program-level FCFS); equal ranks keep their order in the queue."""
+    """The waiting request that rank orders first goes first (PinKeeper.rank: turns that waited too long, pinned
+    programs' turns, then program-level FCFS); equal ranks keep their order in the queue."""
 
     def __init__(self, rank: Callable[[Request], tuple]):
         super().__init__()
