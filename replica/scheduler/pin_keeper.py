@@ -2,6 +2,7 @@
 instead of freed, when pins end, and what happened to them (PinStats). Under other queue policies
 it pins nothing and frees every finished request."""
 import dataclasses
+from collections import OrderedDict
 from collections.abc import Callable
 
 from replica.kv_cache import KVCacheManager
@@ -12,6 +13,7 @@ from replica.scheduler.pins import Pin, Pins, ToolGapEstimator
 from replica.scheduler.trace import SchedulerTrace
 
 _PINNABLE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+_PROGRAMS_REMEMBERED = 4096  # programs whose start is kept; a program that stops sending is forgotten eventually
 
 
 class PinKeeper:
@@ -26,15 +28,38 @@ class PinKeeper:
         self._tool_gaps = (ToolGapEstimator(config.pin_ttl_default_s, config.pin_ttl_max_s)
                            if config.policy == "continuum" else None)
         self._next_turns: set[str] = set()  # waiting requests whose program's previous turn finished here
-        self._held_back: dict[str, float] = {}  # waiting request -> when pins first held it back
+        self._arrived_at: dict[str, float] = {}  # unfinished request -> when it arrived here
+        self._program_started: OrderedDict[str, float] = OrderedDict()  # program -> its earliest turn's arrival here
 
     def arrived(self, request: Request) -> None:
         if (pinned_session := self.pins.session_of(request.request_id)) is not None:
             self._end(self.pins.pop(pinned_session), "reused")  # the id of a finished, pinned turn, used again
-        if self._tool_gaps is not None and request.session_id is not None and \
-                self._tool_gaps.turn_arrived(request.session_id, self._clock()):
+        if self._tool_gaps is None:
+            return
+        now = self._arrived_at[request.request_id] = self._clock()
+        if request.session_id is None:
+            return
+        if request.session_id not in self._program_started:
+            self._program_started[request.session_id] = now
+            if len(self._program_started) > _PROGRAMS_REMEMBERED:
+                self._program_started.popitem(last=False)
+        if self._tool_gaps.turn_arrived(request.session_id, now):
             self._next_turns.add(request.request_id)
-            self.pins.next_turn_arrived(request.session_id, self._clock())
+            self.pins.next_turn_arrived(request.session_id, now)
+
+    def rank(self, request: Request) -> tuple[bool, bool, float, float]:
+        """Continuum's order of the waiting requests, lowest first: those that waited pin_max_wait_s, pinned
+        programs' turns, then by their program's earliest turn here (program-level FCFS: a program that came first
+        finishes first, and the histories of programs that came later wait rather than evict each other), then by
+        their own arrival."""
+        arrived_at = self._arrived_at[request.request_id]
+        return not self._waited_too_long(request), request.session_id not in self.pins, \
+            self._program_started.get(request.session_id, arrived_at), arrived_at
+
+    def _waited_too_long(self, request: Request) -> bool:
+        """Since it arrived (a preempted request: since it first arrived), not since it reached the queue's head:
+        requests held back one after the other would add up their waits."""
+        return self._clock() - self._arrived_at[request.request_id] >= self._config.pin_max_wait_s
 
     def expire(self) -> None:
         for pin in self.pins.pop_expired(self._clock()):
@@ -43,7 +68,6 @@ class PinKeeper:
                 self._count("expired", pin.request.request_id)
 
     def admitted(self, request: Request, num_computed_tokens: int) -> None:
-        self._held_back.pop(request.request_id, None)
         if request.request_id in self._next_turns:
             self._next_turns.remove(request.request_id)
             self.stats.next_turn_queries += request.num_tokens
@@ -57,18 +81,13 @@ class PinKeeper:
         next turns, which go first: under memory pressure, releasing pins for new programs evicts the
         histories the pinned programs come back for, and both recompute (benchmarks/results/agents.md).
         With nothing running, waiting would leave the replica idle through the tool gaps; and programs
-        that keep coming back renew their pins, so a request held back by pins for pin_ttl_max_s
-        takes them."""
-        if not self.pins:
-            return False
-        now = self._clock()
-        held_since = self._held_back.setdefault(request.request_id, now)
-        return not anything_running or now - held_since >= self._config.pin_ttl_max_s
+        that keep coming back renew their pins, so a request that has waited pin_max_wait_s takes them."""
+        return bool(self.pins) and (not anything_running or self._waited_too_long(request))
 
     def release_one_for(self, request: Request) -> bool:
-        """Free the pin with the least time left, other than the request's own program's: pins go before
-        any preemption."""
-        pin = self.pins.pop_least_time_left(keep=request.session_id)
+        """Free the pin of the program that came last, other than the request's own program's: under program-level
+        FCFS it is the one to wait longest anyway. Pins go before any preemption."""
+        pin = self.pins.pop_first(key=self._came_last_first, keep=request.session_id)
         if pin is None:
             return False
         self._end(pin, "released")
@@ -77,17 +96,21 @@ class PinKeeper:
 
     def finished(self, request: Request) -> None:
         """Free the finished request's blocks, or pin them for its program's next turn."""
-        self._held_back.pop(request.request_id, None)
+        self._arrived_at.pop(request.request_id, None)
         self._next_turns.discard(request.request_id)
         if request.session_id is None or self._tool_gaps is None:
             self._kv.free(request)
         elif request.last_turn or request.status not in _PINNABLE:  # the program ended, or was aborted
             self._kv.free(request)
             self._tool_gaps.forget(request.session_id)
+            self._program_started.pop(request.session_id, None)
             if (pin := self.pins.pop(request.session_id)) is not None:
                 self._end(pin, "ended")
         else:
             self._pin(request)
+
+    def _came_last_first(self, pin: Pin) -> float:
+        return -self._program_started.get(pin.request.session_id, pin.pinned_at)
 
     def release_all(self) -> None:
         for pin in self.pins.pop_all():

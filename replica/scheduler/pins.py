@@ -3,14 +3,14 @@ for the program's next turn, for a time-to-live predicted from the tool gaps obs
 that turn has arrived, until it has run (however long it waits for admission).
 
 A pin never costs a running request: the scheduler releases pins (expired ones at the start of each
-step, then the ones with the least time left, those whose next turn arrived last) before it
-preempts. A waiting request releases pins that have time left only when nothing runs, or once pins
-have held it back for pin_ttl_max_s.
+step, then the pin of the program that came last) before it preempts. A waiting request releases pins
+that have time left only when nothing runs, or once it has waited pin_max_wait_s.
 """
 import heapq
 import itertools
 import statistics
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from replica.request import Request
@@ -89,7 +89,6 @@ class Pins:
         # arrived, stay until they reach the top (within pin_ttl_max_s), so checking expiry every step
         # costs nothing when none is due.
         self._by_expiry: list[tuple[float, int, Pin]] = []
-        self._next_turn_arrived: dict[str, Pin] = {}  # by session, the earliest arrived first
         self._order = itertools.count()
 
     def add(self, request: Request, now: float, expires_at: float) -> Pin | None:
@@ -104,7 +103,6 @@ class Pins:
         pin = self._by_session.pop(session_id, None)
         if pin is not None:
             del self._by_request_id[pin.request.request_id]
-            self._next_turn_arrived.pop(session_id, None)
         return pin
 
     def next_turn_arrived(self, session_id: str | None, now: float) -> None:
@@ -112,7 +110,6 @@ class Pins:
         pin = self._by_session.get(session_id)
         if pin is not None and not pin.next_turn_arrived:
             pin.next_turn_arrived_at = now
-            self._next_turn_arrived[session_id] = pin
 
     def get(self, session_id: str | None) -> Pin | None:
         return self._by_session.get(session_id)
@@ -129,24 +126,10 @@ class Pins:
                 expired.append(entry)
         return [self.pop(pin.request.session_id) for _, _, pin in sorted(expired, key=lambda entry: entry[1])]
 
-    def pop_least_time_left(self, keep: str | None) -> Pin | None:
-        """The pin closest to expiry, other than program keep's (its own turn needs it); pins whose next
-        turn arrived go last, the earliest arrived first."""
-        return self._pop_soonest_expiring(keep) or \
-            self.pop(next((session_id for session_id in self._next_turn_arrived if session_id != keep), None))
-
-    def _pop_soonest_expiring(self, keep: str | None) -> Pin | None:
-        kept, found = [], None
-        while self._by_expiry and found is None:
-            entry = heapq.heappop(self._by_expiry)
-            pin = entry[2]
-            if pin.request.session_id == keep and self._is_current(pin):
-                kept.append(entry)
-            elif self._is_current(pin):
-                found = self.pop(pin.request.session_id)
-        for entry in kept:
-            heapq.heappush(self._by_expiry, entry)
-        return found
+    def pop_first(self, key: Callable[[Pin], object], keep: str | None) -> Pin | None:
+        """The pin that key orders first, other than program keep's (its own turn needs it)."""
+        pin = min((pin for pin in self._by_session.values() if pin.request.session_id != keep), key=key, default=None)
+        return pin and self.pop(pin.request.session_id)
 
     def _is_current(self, pin: Pin) -> bool:
         """Still held and still expiring."""

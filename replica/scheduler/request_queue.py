@@ -1,5 +1,5 @@
-"""Waiting queues: strict FCFS (a deque), a heap on (priority, arrival_time, request_id), or FCFS with
-pinned programs' turns first (continuum)."""
+"""Waiting queues: strict FCFS (a deque), a heap on (priority, arrival_time, request_id), or continuum's order
+(pinned programs' turns first, then program-level FCFS)."""
 import heapq
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -63,15 +63,15 @@ class PriorityRequestQueue:
 
 
 class ContinuumRequestQueue(FCFSRequestQueue):
-    """FCFS, except that turns of programs whose blocks are pinned go first: the pin holds their
-    history now, and may expire or be released if they wait."""
+    """The waiting request that rank orders first goes first (PinKeeper.rank: turns that waited too long, pinned
+    programs' turns, then program-level FCFS); equal ranks keep their order in the queue."""
 
-    def __init__(self, is_pinned: Callable[[str | None], bool]):
+    def __init__(self, rank: Callable[[Request], tuple]):
         super().__init__()
-        self._is_pinned = is_pinned
+        self._rank = rank
 
     def peek(self) -> Request:
-        return next((request for request in self._queue if self._is_pinned(request.session_id)), self._queue[0])
+        return min(self._queue, key=self._rank)
 
     def pop(self) -> Request:
         request = self.peek()

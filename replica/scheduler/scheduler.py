@@ -66,7 +66,7 @@ class Scheduler:
             case "priority":
                 self.waiting = PriorityRequestQueue()
             case "continuum":
-                self.waiting = ContinuumRequestQueue(self.pins.__contains__)
+                self.waiting = ContinuumRequestQueue(self._pin_keeper.rank)
             case _:
                 self.waiting = FCFSRequestQueue()
         self.running: list[Request] = []

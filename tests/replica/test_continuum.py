@@ -11,7 +11,7 @@ BLOCK_SIZE = 4
 def continuum(num_blocks: int = 20, **config) -> tuple[FakeClock, Scheduler]:
     clock = FakeClock()
     return clock, make_scheduler(num_blocks=num_blocks, block_size=BLOCK_SIZE, clock=clock, policy="continuum",
-                                 pin_ttl_default_s=2.0, **config)
+                                 **{"pin_ttl_default_s": 2.0} | config)
 
 
 def turn(request_id: str, prompt: list[int], session_id: str | None = "p", max_tokens: int = 1, **kwargs) -> Request:
@@ -108,14 +108,14 @@ def test_a_pin_outlives_its_ttl_once_the_next_turn_arrived_and_waits():
                                                    next_turn_hits=8)
 
 
-def test_with_nothing_running_an_admission_takes_the_pins_with_the_least_time_left():
+def test_with_nothing_running_an_admission_takes_the_pin_of_the_program_that_came_last():
     clock, scheduler = continuum(num_blocks=10)
     pin_two_programs(clock, scheduler)
     assert num_free(scheduler) == 5
     scheduler.add_request(turn("r", list(range(100, 124)), session_id=None))  # 6 blocks
     output, _ = step(scheduler)
     assert output.num_scheduled_tokens == {"r": 24}
-    assert [pin.request.request_id for pin in scheduler.pins] == ["q/1"]
+    assert [pin.request.request_id for pin in scheduler.pins] == ["p/1"]  # p's has less time left, but p came first
     assert scheduler.make_stats().pins == PinStats(num_pinned_blocks=2, pinned=2, released=1)
 
 
@@ -176,6 +176,22 @@ def test_waiting_turns_of_pinned_programs_are_admitted_first():
     assert run_to_completion(scheduler) == ["p/2", "x", "q/1"]
 
 
+def test_waiting_turns_go_by_their_programs_first_arrival():
+    """Program-level FCFS: q's turn waits behind p's though it arrived first, because p came first."""
+    clock, scheduler = continuum(max_num_seqs=1)
+    for start, session in ((0.0, "p"), (1.0, "q")):
+        clock.now = start
+        run_to_completion(scheduler, turn(f"{session}/1", [ord(session)] * 8, session_id=session))
+    clock.now = 10.0  # both pins expired
+    scheduler.add_request(turn("x", list(range(100, 104)), session_id=None, max_tokens=4))
+    step(scheduler)
+    scheduler.add_request(turn("q/2", [ord("q")] * 8 + [7, 1], session_id="q"))
+    clock.now = 11.0
+    scheduler.add_request(turn("p/2", [ord("p")] * 8 + [7, 1]))
+    assert len(scheduler.pins) == 0
+    assert run_to_completion(scheduler) == ["x", "p/2", "q/2"]
+
+
 def test_resetting_the_prefix_cache_ends_every_pin():
     _, scheduler = continuum()
     run_to_completion(scheduler, turn("p/1", list(range(8))))
@@ -200,8 +216,8 @@ def test_the_tool_gap_estimate_is_a_quantile_of_the_programs_own_gaps_then_every
     assert not estimator.turn_arrived("new", 5.0)
 
 
-def test_a_request_held_back_by_pins_for_pin_ttl_max_s_takes_them():
-    clock, scheduler = continuum(num_blocks=12, pin_ttl_max_s=3.0)
+def test_a_request_that_waited_pin_max_wait_s_takes_pins():
+    clock, scheduler = continuum(num_blocks=12, pin_max_wait_s=3.0)
     run_to_completion(scheduler, turn("p/1", [ord("p")] * 8))  # pinned until 2.0
     scheduler.add_request(turn("running", list(range(200, 208)), session_id=None, max_tokens=50))  # 2 blocks
     step(scheduler)
@@ -214,18 +230,43 @@ def test_a_request_held_back_by_pins_for_pin_ttl_max_s_takes_them():
     assert scheduler.pins.get("p").expires_at == 3.5
     clock.now = 3.1
     assert step(scheduler)[0].num_scheduled_tokens == {"running": 1}
-    clock.now = 3.2  # r was held back 3 s: p's pin goes, though it has 0.3 s left
+    clock.now = 3.2  # r waited 3 s: p's pin goes, though it has 0.3 s left
     assert step(scheduler)[0].num_scheduled_tokens == {"running": 1, "r": 28}
     assert scheduler.make_stats().pins == PinStats(pinned=2, hits=1, released=1, next_turn_queries=12,
                                                    next_turn_hits=8)
 
 
-def test_pins_whose_next_turn_arrived_never_expire_and_are_released_last():
+def test_requests_held_back_together_wait_pin_max_wait_s_from_their_arrival_not_one_after_the_other():
+    clock, scheduler = continuum(num_blocks=9, pin_max_wait_s=3.0, pin_ttl_default_s=10.0)
+    pin_two_programs(clock, scheduler)  # 2 blocks each, until 10.0 and 11.0
+    scheduler.add_request(turn("running", list(range(200, 205)), session_id=None, max_tokens=50))  # 2 blocks
+    step(scheduler)
+    clock.now = 1.5
+    for request_id in ("r1", "r2"):  # 3 blocks each, 2 free
+        scheduler.add_request(turn(request_id, [ord(request_id[1])] * 12, session_id=None))
+    assert step(scheduler)[0].num_scheduled_tokens == {"running": 1}
+    clock.now = 4.5  # both waited 3 s: each takes a pin
+    assert step(scheduler)[0].num_scheduled_tokens == {"running": 1, "r1": 12, "r2": 12}
+    assert len(scheduler.pins) == 0
+
+
+def test_a_turn_that_waited_pin_max_wait_s_goes_ahead_of_pinned_programs():
+    clock, scheduler = continuum(max_num_seqs=1, pin_max_wait_s=3.0, pin_ttl_default_s=10.0)
+    run_to_completion(scheduler, turn("p/1", [ord("p")] * 8))
+    scheduler.add_request(turn("x", list(range(100, 104)), session_id=None, max_tokens=8))
+    step(scheduler)
+    scheduler.add_request(turn("q/1", [ord("q")] * 8, session_id="q"))
+    clock.now = 3.5
+    scheduler.add_request(turn("p/2", [ord("p")] * 8 + [7, 1]))
+    assert run_to_completion(scheduler) == ["x", "q/1", "p/2"]
+
+
+def test_pins_whose_next_turn_arrived_never_expire():
     pins = Pins()
     for session, expires_at in (("p", 2.0), ("q", 3.0), ("r", 4.0)):
         pins.add(turn(f"{session}/1", [1], session_id=session), 0.0, expires_at)
     pins.next_turn_arrived("p", 1.0)
     assert [pin.request.request_id for pin in pins.pop_expired(3.0)] == ["q/1"]
-    assert pins.pop_least_time_left(keep="p").request.request_id == "r/1"
-    assert pins.pop_least_time_left(keep="p") is None
-    assert pins.pop_expired(100.0) == [] and pins.pop_least_time_left(keep=None).request.request_id == "p/1"
+    assert pins.pop_first(key=lambda pin: pin.expires_at, keep="p").request.request_id == "r/1"
+    assert pins.pop_first(key=lambda pin: pin.expires_at, keep="p") is None
+    assert pins.pop_expired(100.0) == [] and pins.pop_first(key=lambda pin: 0, keep=None).request.request_id == "p/1"

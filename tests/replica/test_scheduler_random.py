@@ -93,7 +93,7 @@ def test_agent_programs_under_continuum_leave_no_block_pinned_or_held():
     rng, clock = random.Random(0), FakeClock()
     scheduler = make_scheduler(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, policy="continuum", clock=clock,
                                max_num_batched_tokens=48, max_num_seqs=12, max_model_len=128,
-                               pin_ttl_default_s=1.0, pin_ttl_max_s=3.0)
+                               pin_ttl_default_s=1.0, pin_ttl_max_s=3.0, pin_max_wait_s=3.0)
     system_prompts = [[rng.randrange(1000) for _ in range(rng.randrange(8, 24))] for _ in range(3)]
     programs: list[_Program] = []
     num_sent = num_aborted = 0
