@@ -9,11 +9,10 @@ from replica.kv_cache import KVCacheManager
 from replica.request import Request, RequestStatus
 from replica.scheduler.config import SchedulerConfig
 from replica.scheduler.output import PinStats
-from replica.scheduler.pins import Pin, Pins, ToolGapEstimator
+from replica.scheduler.pins import PROGRAMS_REMEMBERED, Pin, Pins, ToolGapEstimator
 from replica.scheduler.trace import SchedulerTrace
 
 _PINNABLE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
-_PROGRAMS_REMEMBERED = 4096  # programs whose start is kept; a program that stops sending is forgotten eventually
 
 
 class PinKeeper:
@@ -41,7 +40,7 @@ class PinKeeper:
             return
         if request.session_id not in self._program_started:
             self._program_started[request.session_id] = now
-            if len(self._program_started) > _PROGRAMS_REMEMBERED:
+            if len(self._program_started) > PROGRAMS_REMEMBERED:
                 self._program_started.popitem(last=False)
         if self._tool_gaps.turn_arrived(request.session_id, now):
             self._next_turns.add(request.request_id)

@@ -17,7 +17,7 @@ from replica.request import Request
 
 _GAPS_PER_PROGRAM = 8
 _GAPS_OVERALL = 256
-_PROGRAMS_REMEMBERED = 4096
+PROGRAMS_REMEMBERED = 4096  # programs whose gaps, last finish or first arrival are kept; the oldest go first
 _MIN_GAPS = 3  # observed gaps a quantile is taken over; fewer: the next source down
 _TTL_PERCENTILE = 90  # of the observed gaps
 
@@ -32,21 +32,19 @@ class ToolGapEstimator:
         self.max_s = max_s
         self._overall: deque[float] = deque(maxlen=_GAPS_OVERALL)
         self._programs: OrderedDict[str, deque[float]] = OrderedDict()
-        self._finished_at: dict[str, float] = {}
+        self._finished_at: OrderedDict[str, float] = OrderedDict()  # a program that never comes back ages out
 
     def turn_finished(self, session_id: str, now: float) -> None:
-        self._finished_at[session_id] = now
+        _remember(self._finished_at, session_id, now)
 
     def turn_arrived(self, session_id: str, now: float) -> bool:
         """Record the gap since the program's last turn finished; False when none is known."""
         finished_at = self._finished_at.pop(session_id, None)
         if finished_at is None:
             return False
-        gaps = self._programs.pop(session_id, None) or deque(maxlen=_GAPS_PER_PROGRAM)
+        gaps = self._programs.get(session_id) or deque(maxlen=_GAPS_PER_PROGRAM)
         gaps.append(now - finished_at)
-        self._programs[session_id] = gaps  # most recently seen last
-        if len(self._programs) > _PROGRAMS_REMEMBERED:
-            self._programs.popitem(last=False)
+        _remember(self._programs, session_id, gaps)
         self._overall.append(now - finished_at)
         return True
 
@@ -60,6 +58,14 @@ class ToolGapEstimator:
             if len(gaps) >= _MIN_GAPS:
                 return min(statistics.quantiles(gaps, n=100, method="inclusive")[_TTL_PERCENTILE - 1], self.max_s)
         return min(self.default_s, self.max_s)
+
+
+def _remember(recent: OrderedDict, key: str, value) -> None:
+    """recent[key] = value as its most recent entry; past PROGRAMS_REMEMBERED entries the oldest goes."""
+    recent.pop(key, None)
+    recent[key] = value
+    if len(recent) > PROGRAMS_REMEMBERED:
+        recent.popitem(last=False)
 
 
 @dataclass(slots=True)

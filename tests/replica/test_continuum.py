@@ -1,7 +1,7 @@
 """The continuum policy: a program's finished turn keeps its blocks pinned for the next turn."""
 from replica.request import Request, RequestStatus, SamplingParams
 from replica.scheduler import PinStats, Scheduler
-from replica.scheduler.pins import Pins, ToolGapEstimator
+from replica.scheduler.pins import PROGRAMS_REMEMBERED, Pins, ToolGapEstimator
 
 from .scheduler_helpers import FakeClock, make_scheduler, step
 
@@ -161,7 +161,8 @@ def test_a_victim_is_chosen_among_programs_without_a_pin():
     step(scheduler)
     assert [request.request_id for request in scheduler.running] == ["b", "p/2"]
     assert num_free(scheduler) == 0
-    output, _ = step(scheduler)  # p/2's 13th token needs a 4th block; p/2 is the latest admitted, but its program holds a pin
+    # p/2's 13th token needs a 4th block; p/2 is the latest admitted, but its program holds a pin
+    output, _ = step(scheduler)
     assert output.preempted_req_ids == {"b"}
     assert output.num_scheduled_tokens == {"p/2": 1}
     assert "p" in scheduler.pins
@@ -215,6 +216,13 @@ def test_the_tool_gap_estimate_is_a_quantile_of_the_programs_own_gaps_then_every
     assert estimator.ttl("new") == 10.0  # everyone's: the 0.9 quantile of 1, 2, 3, 20, 20, 20 is 20
     assert not estimator.turn_arrived("new", 5.0)
 
+
+def test_the_estimator_forgets_the_finish_of_programs_that_never_come_back_oldest_first():
+    estimator = ToolGapEstimator(default_s=2.0, max_s=10.0)
+    for program in range(PROGRAMS_REMEMBERED + 1):
+        estimator.turn_finished(f"program {program}", float(program))
+    assert not estimator.turn_arrived("program 0", 5000.0)  # aged out: its next turn counts no gap
+    assert estimator.turn_arrived("program 1", 5000.0)
 
 def test_a_request_that_waited_pin_max_wait_s_takes_pins():
     clock, scheduler = continuum(num_blocks=12, pin_max_wait_s=3.0)
