@@ -69,11 +69,25 @@ class ContinuumRequestQueue(FCFSRequestQueue):
     def __init__(self, rank: Callable[[Request], tuple]):
         super().__init__()
         self._rank = rank
+        self._head: Request | None = None  # what peek found: rank moves with the clock, pop takes what was seen
+
+    def add(self, request: Request) -> None:
+        self._head = None
+        super().add(request)
+
+    def prepend(self, request: Request) -> None:
+        self._head = None
+        super().prepend(request)
 
     def peek(self) -> Request:
-        return min(self._queue, key=self._rank)
+        self._head = min(self._queue, key=self._rank)
+        return self._head
 
     def pop(self) -> Request:
-        request = self.peek()
-        self._queue.remove(request)
+        request = self._head or self.peek()
+        self.remove(request)
         return request
+
+    def remove(self, request: Request) -> None:
+        self._head = None
+        super().remove(request)

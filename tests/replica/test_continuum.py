@@ -2,6 +2,7 @@
 from replica.request import Request, RequestStatus, SamplingParams
 from replica.scheduler import PinStats, Scheduler
 from replica.scheduler.pins import PROGRAMS_REMEMBERED, Pins, ToolGapEstimator
+from replica.scheduler.request_queue import ContinuumRequestQueue
 
 from .scheduler_helpers import FakeClock, make_scheduler, step
 
@@ -278,3 +279,15 @@ def test_pins_whose_next_turn_arrived_never_expire():
     assert pins.pop_first(key=lambda pin: pin.expires_at, keep="p").request.request_id == "r/1"
     assert pins.pop_first(key=lambda pin: pin.expires_at, keep="p") is None
     assert pins.pop_expired(100.0) == [] and pins.pop_first(key=lambda pin: 0, keep=None).request.request_id == "p/1"
+
+
+def test_the_continuum_queue_pops_the_request_its_peek_found_though_the_ranks_moved_since():
+    ranks = {"a": (1,), "b": (2,)}
+    queue = ContinuumRequestQueue(lambda request: ranks[request.request_id])
+    first, second = turn("a", [1]), turn("b", [2])
+    queue.add(first)
+    queue.add(second)
+    assert queue.peek() is first
+    ranks["b"] = (0,)  # b waited past pin_max_wait_s while a was being admitted
+    assert queue.pop() is first
+    assert queue.peek() is second and len(queue) == 1
