@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
+from benchmarks.timing import timed  # noqa: E402
 from kernels.ops import KernelOps  # noqa: E402
 from replica.engine import EngineConfig, EngineCore  # noqa: E402
 from replica.executor import model_runner  # noqa: E402
@@ -96,10 +97,7 @@ def decoding_core(config: EngineConfig, batch: int, prompt_len: int, seed: int) 
 
 
 def time_steps(core: EngineCore, steps: int) -> float:
-    start = time.perf_counter()
-    for _ in range(steps):
-        core.step()
-    return (time.perf_counter() - start) / steps
+    return timed(lambda: [core.step() for _ in range(steps)])[0] / steps
 
 
 def plain_projection_seconds(model, rows: int, dtype: torch.dtype) -> float:
@@ -125,10 +123,7 @@ def copy_bandwidth() -> float:
 
 def _time(fn: Callable, repeat: int) -> float:
     fn()
-    start = time.perf_counter()
-    for _ in range(repeat):
-        fn()
-    return (time.perf_counter() - start) / repeat
+    return timed(lambda: [fn() for _ in range(repeat)])[0] / repeat
 
 
 def measure(config: EngineConfig, batch: int, args: argparse.Namespace) -> dict:
