@@ -14,7 +14,7 @@ from torch import nn
 from kernels import KernelOps
 from replica.executor import rope
 from replica.executor.config import ModelConfig
-from replica.executor.packed_linear import PackedLinear
+from replica.executor.packed_linear import PackedLinear, worth_packing
 from replica.executor.parallel import TensorParallel, shard_heads, vocab_slice
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # key, value: [num_blocks, block_size, num_kv_heads, head_dim]
@@ -208,13 +208,15 @@ class LlamaForCausalLM(nn.Module):
         return None if logits is None else logits[:, :self.config.vocab_size].float()
 
     def pack_linear_weights(self) -> None:
-        """CPU, once the weights are loaded: every projection and the LM head on oneDNN-packed weights.
-        A tied head gets a packed copy; the embedding table stays for the token lookup."""
+        """CPU, once the weights are loaded: the projections and the LM head large enough to gain from
+        oneDNN-packed weights. A tied head gets a packed copy; the embedding table stays for the lookup."""
+        pack_head = worth_packing(self.lm_head_weight)  # an untied head is one of the linears packed below
         for module in list(self.modules()):
             for name, child in list(module.named_children()):
-                if isinstance(child, nn.Linear):
+                if isinstance(child, nn.Linear) and worth_packing(child.weight):
                     setattr(module, name, PackedLinear.from_linear(child))
-        self.packed_lm_head = getattr(self, "lm_head", None) or PackedLinear(self.lm_head_weight)
+        if pack_head:
+            self.packed_lm_head = getattr(self, "lm_head", None) or PackedLinear(self.lm_head_weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (HF names) in; q/k/v and gate/up land in their fused parameters, and under

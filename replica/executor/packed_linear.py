@@ -9,12 +9,19 @@ import torch
 from torch import nn
 
 BATCH_SIZE_HINT = 64  # oneDNN picks the blocking for this many rows; any row count still works
+# A packed call costs some 30-50 us more than F.linear's whatever the shape (fp32, AVX2): below about
+# this many weights that is more than the matmul itself takes at 1-64 rows.
+MIN_PACKED_WEIGHTS = 1 << 18
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def worth_packing(weight: torch.Tensor) -> bool:
+    return weight.numel() >= MIN_PACKED_WEIGHTS
 
 
 class PackedLinear(nn.Module):

@@ -31,8 +31,8 @@ def test_can_pack_only_cpu_float_dtypes():
     assert not packed_linear.can_pack(CPU, torch.float16)
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_model_packs_every_projection_and_keeps_its_logits(tied):
+def small_model(tied: bool) -> LlamaForCausalLM:
+    """Weights: qkv 64 x 32, o 32 x 32, gate_up 96 x 32, down 32 x 48, head 50 x 32."""
     config = ModelConfig(architecture="llama", vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
                          num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0, max_position=64,
                          tie_word_embeddings=tied, attention_bias=False)
@@ -40,9 +40,30 @@ def test_model_packs_every_projection_and_keeps_its_logits(tied):
     model = LlamaForCausalLM(config, get_ops("torch"), CPU)
     for param in model.parameters():
         param.data.normal_()
+    return model
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_model_packs_every_projection_and_keeps_its_logits(tied, monkeypatch):
+    monkeypatch.setattr(packed_linear, "MIN_PACKED_WEIGHTS", 0)
+    model = small_model(tied)
     hidden = torch.randn(5, 32)
     expected = model.compute_logits(hidden)
     model.pack_linear_weights()
     assert not any(isinstance(module, nn.Linear) for module in model.modules())
     assert sum(isinstance(module, PackedLinear) for module in model.modules()) == 4 * 2 + 1
+    torch.testing.assert_close(model.compute_logits(hidden), expected, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_model_packs_only_weights_worth_it(tied, monkeypatch):
+    """A packed call's fixed cost outweighs a small matmul: layers below the threshold stay plain."""
+    monkeypatch.setattr(packed_linear, "MIN_PACKED_WEIGHTS", 2048)
+    model = small_model(tied)
+    hidden = torch.randn(5, 32)
+    expected = model.compute_logits(hidden)
+    model.pack_linear_weights()
+    packed = sorted(name for name, module in model.named_modules() if isinstance(module, PackedLinear))
+    assert packed == [f"model.layers.{i}.{name}" for i in (0, 1) for name in ("mlp.gate_up_proj", "self_attn.qkv_proj")]
+    assert model.packed_lm_head is None  # 50 x 32 = 1600 weights
     torch.testing.assert_close(model.compute_logits(hidden), expected, atol=1e-4, rtol=1e-5)
