@@ -5,8 +5,9 @@ Every request is POST /v1/completions with a fresh prompt of --prompt-tokens ran
 max_tokens 1. prefixserve serves the tiny random model (benchmarks/random_model.py) on --replicas
 engine replicas, behind 1 and then 2 ingress replicas; the bare app has one ingress in front of
 --replicas replicas that yield one chunk each. Each app gets --warmup-s of load first, then
---duration-s measured. The load client is `wrk` (a Lua script makes each request's prompt), or
-without wrk an asyncio httpx client in a process of its own. CPU ms per request: the CPU time (user +
+--duration-s measured, in each of --rounds rounds (the machine's load drifts: a ratio is taken within
+a round, and the verdict is on the rounds' median). The load client is `wrk` (a Lua script makes
+each request's prompt), or without wrk an asyncio httpx client in a process of its own. CPU ms per request: the CPU time (user +
 system, psutil) that every process under this one (Ray's GCS, raylet, Serve's controller, proxy and
 replicas; not this driver, not the load client) spent during the measured window, over the requests
 answered in it.
@@ -225,7 +226,8 @@ def check_answers(base_url: str) -> None:
         raise RuntimeError(f"{base_url} answered {response.status_code}: {response.text}")
 
 
-def run_all(args: argparse.Namespace, scratch: Path) -> list[Result]:
+def run_all(args: argparse.Namespace, scratch: Path) -> list[list[Result]]:
+    """--rounds rounds of every app, each round's results in the apps' order (bare first)."""
     from benchmarks.bare_serve import build_bare
     from benchmarks.live_app import app_of, local_serve, replica_num_cpus
     from benchmarks.random_model import write_random_model
@@ -246,7 +248,18 @@ def run_all(args: argparse.Namespace, scratch: Path) -> list[Result]:
         served = {"router_sync_interval_s": args.router_sync_interval_s} if args.router_sync_interval_s else {}
         apps += [(f"prefixserve, {n} ingress", lambda n=n: app_of(engine, args.replicas, ingress_replicas=n, **served))
                  for n in args.ingress_replicas]
-        return [measure(name, run(app()), load_command, args) for name, app in apps]
+        rounds = []
+        for index in range(args.rounds):
+            print(f"round {index + 1} of {args.rounds}", flush=True)
+            measured = {name: measure(name, run(app()), load_command, args) for name, app in rotated(apps, index)}
+            rounds.append([measured[name] for name, _ in apps])
+        return rounds
+
+
+def rotated(items: list, start: int) -> list:
+    """Round i runs the apps from the i-th on: none always goes first, into a machine that is still quiet."""
+    start %= len(items)
+    return items[start:] + items[:start]
 
 
 # ---- the report
@@ -276,19 +289,63 @@ def cpu_table(results: list[Result]) -> str:
     return "\n".join(rows)
 
 
-def verdict(results: list[Result], min_ratio: float = 0.8) -> list[str]:
-    """Whether the done-when of issue 29 holds: every prefixserve row at least min_ratio x the bare
-    app's requests/s, and each one with more ingress replicas at least as fast as the one before."""
-    bare, served = results[0], results[1:]
+def pooled(rounds: list[list[Result]]) -> list[Result]:
+    """Each app's rounds as one result: requests and time summed, CPU per request over all its requests,
+    the latency quantiles the rounds' medians."""
+    return [_pooled(list(results)) for results in zip(*rounds)]
+
+
+def _pooled(results: list[Result]) -> Result:
+    loads = [result.load for result in results]
+    requests = sum(load.requests for load in loads)
+    kinds = {kind for result in results for kind in result.cpu_ms_by_process}
+    cpu_ms = {kind: sum(result.cpu_ms_by_process.get(kind, 0.0) * result.load.requests for result in results)
+              / max(requests, 1) for kind in kinds}
+    load = Load(requests, sum(load.duration_s for load in loads), sum(load.non_2xx for load in loads),
+                sum(load.errors for load in loads), sum(load.timeouts for load in loads),
+                statistics.median(load.p50_ms for load in loads), statistics.median(load.p99_ms for load in loads))
+    return Result(results[0].app, load, cpu_ms)
+
+
+def ratios(results: list[Result]) -> list[float]:
+    """One round's requests/s of every prefixserve app over the bare app's (the first)."""
+    bare = results[0].load.requests_per_s
+    return [result.load.requests_per_s / bare for result in results[1:]]
+
+
+def rounds_table(rounds: list[list[Result]]) -> str:
+    served = [result.app for result in rounds[0][1:]]
+    rows = ["| round | bare req/s | " + " | ".join(f"{app} req/s (x bare)" for app in served) + " | CPU ms/request: "
+            + ", ".join(result.app for result in rounds[0]) + " |", "|---" * (len(served) + 3) + "|"]
+    for index, results in enumerate(rounds, 1):
+        cells = [f"{result.load.requests_per_s:.0f} ({ratio:.2f})"
+                 for result, ratio in zip(results[1:], ratios(results))]
+        cpu = ", ".join(f"{result.cpu_ms_per_request:.1f}" for result in results)
+        rows.append(f"| {index} | {results[0].load.requests_per_s:.0f} | " + " | ".join(cells) + f" | {cpu} |")
+    return "\n".join(rows)
+
+
+def verdict(rounds: list[list[Result]], min_ratio: float = 0.8) -> list[str]:
+    """Whether the done-when of issue 29 holds, on the median over the rounds (each ratio taken within its
+    round): every prefixserve app at least min_ratio x the bare app's requests/s, and each one with more
+    ingress replicas at least as fast as the one before."""
+    served = [result.app for result in rounds[0][1:]]
+    by_app = list(zip(*(ratios(results) for results in rounds)))
     lines = []
-    for result in served:
-        ratio = result.load.requests_per_s / bare.load.requests_per_s
-        lines.append(f"{result.app}: {ratio:.2f}x the bare app's requests/s, "
-                     f"{'meets' if ratio >= min_ratio else 'misses'} the {min_ratio}x bar")
-    for fewer, more in zip(served, served[1:]):
-        ratio = more.load.requests_per_s / fewer.load.requests_per_s
-        lines.append(f"{more.app}: {ratio:.2f}x {fewer.app}, {'as fast or faster' if ratio >= 1 else 'slower'}")
+    for app, app_ratios in zip(served, by_app):
+        median = statistics.median(app_ratios)
+        lines.append(f"{app}: {median:.2f}x the bare app's requests/s (median of {_listed(app_ratios)}), "
+                     f"{'meets' if median >= min_ratio else 'misses'} the {min_ratio}x bar")
+    for more in range(1, len(served)):
+        steps = [m / f for f, m in zip(by_app[more - 1], by_app[more])]
+        median = statistics.median(steps)
+        lines.append(f"{served[more]}: {median:.2f}x {served[more - 1]} (median of {_listed(steps)}), "
+                     f"{'as fast or faster' if median >= 1 else 'slower'}")
     return lines
+
+
+def _listed(values: list[float]) -> str:
+    return ", ".join(f"{value:.2f}" for value in values)
 
 
 def machine() -> str:
@@ -304,19 +361,21 @@ def machine() -> str:
     return f"{os.cpu_count()} cores of {model} ({vector}); the engines' dtype {dtype}"
 
 
-def report(args: argparse.Namespace, results: list[Result]) -> str:
+def report(args: argparse.Namespace, rounds: list[list[Result]]) -> str:
     client = "wrk" if args.client == "wrk" else "an asyncio httpx client in its own process" + (
         "" if shutil.which("wrk") else " (wrk is not installed)")
     return "\n\n".join([
         f"```\nPYTHONPATH=. python benchmarks/bench_front_door.py {' '.join(sys.argv[1:])}\n```",
         f"Machine: {machine()}. Load client: {client}, {args.connections} connections, {args.warmup_s:g} s of warm-up "
-        f"then {args.duration_s:g} s measured per app, a fresh prompt of {args.prompt_tokens} random token ids per "
+        f"then {args.duration_s:g} s measured per app and round, {args.rounds} rounds (each round starts with the next app "
+        f"in turn; the ratios are taken within a round), a fresh prompt of {args.prompt_tokens} random token ids per "
         f"request, max_tokens 1. {args.replicas} engine replicas of the tiny random model (bare app: {args.replicas} "
         f"replicas yielding one chunk). CPU ms per request: user + system time of every process under the driver "
         f"(Ray's and Serve's) during the measured window, over the requests answered in it.",
-        table(results),
-        cpu_table(results),
-        "\n".join(f"- {line}" for line in verdict(results))])
+        rounds_table(rounds),
+        "All rounds together:\n\n" + table(pooled(rounds)),
+        cpu_table(pooled(rounds)),
+        "\n".join(f"- {line}" for line in verdict(rounds))])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -328,6 +387,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2, help="wrk's threads")
     parser.add_argument("--duration-s", type=float, default=20.0)
     parser.add_argument("--warmup-s", type=float, default=5.0)
+    parser.add_argument("--rounds", type=int, default=3, help="times every app is measured, in turn")
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--client", choices=["wrk", "httpx"], default="wrk" if shutil.which("wrk") else "httpx")
     parser.add_argument("--markdown", help="write the command, machine, table and verdict here")
@@ -347,8 +407,8 @@ def main() -> None:
     if args.client == "httpx":
         print("wrk is not installed (apt-get install -y wrk): the load client is an asyncio httpx client", flush=True)
     with tempfile.TemporaryDirectory() as scratch:
-        results = run_all(args, Path(scratch))
-    text = report(args, results)
+        rounds = run_all(args, Path(scratch))
+    text = report(args, rounds)
     print(text)
     if args.markdown:
         Path(args.markdown).write_text(f"# The front door: prefixserve against a bare Ray Serve app\n\n{text}\n")
