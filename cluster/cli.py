@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--router-sync-interval-s", type=float, default=0.02,
                          help="least seconds between an ingress replica's syncs of its routing view; a sync with "
                               "nothing new waits for news (default: %(default)s)")
+    cluster.add_argument("--publish-interval-s", type=float, default=0.01,
+                         help="least seconds between an engine replica's reports to the router feed; a busy "
+                              "engine's steps go out coalesced (default: %(default)s)")
     cluster.add_argument("--routing-policy", choices=["prefix", "round_robin", "least_loaded"], default="prefix",
                          help="how requests are spread over the replicas (default: %(default)s)")
     cluster.add_argument("--max-waiting-requests", type=int, default=256,
@@ -119,7 +122,7 @@ def config_from_args(args: argparse.Namespace):
                        "initial_replicas": min(max(args.replicas, min_replicas), max_replicas)}
     return ClusterConfig(engine=engine, num_replicas=args.replicas, ingress_replicas=args.ingress_replicas,
                          autoscaling=autoscaling, routing=args.routing_policy,
-                         router_sync_interval_s=args.router_sync_interval_s,
+                         router_sync_interval_s=args.router_sync_interval_s, publish_interval_s=args.publish_interval_s,
                          api_key=args.api_key or os.environ.get(API_KEY_ENV),
                          replica_num_cpus=args.replica_cpus, replica_num_gpus=args.replica_gpus,
                          placement_strategy=args.placement_strategy,

@@ -14,10 +14,6 @@ from replica.config import EngineConfig
 from replica.engine import EngineCore
 from router.actor import RouterClient
 
-# The least time between two of a replica's reports to the router actor: each is an actor call, which costs
-# both sides far more than what it carries; ingress replicas read the reports every 20 ms by default.
-PUBLISH_INTERVAL_S = 0.01
-
 
 class EngineReplica:
     async def __init__(self, config: ClusterConfig):
@@ -28,7 +24,7 @@ class EngineReplica:
         self._publisher = RouterPublisher(
             self.replica_id,
             RouterClient(context.app_name, config.routing_config, core.config.cache.block_size, create=False),
-            send_interval_s=PUBLISH_INTERVAL_S)
+            send_interval_s=config.publish_interval_s)
         self._engine = AsyncEngine(core, after_step=functools.partial(self._publisher.record, core))
 
     def model_info(self) -> ModelInfo:
