@@ -43,27 +43,25 @@ def small_model(tied: bool) -> LlamaForCausalLM:
     return model
 
 
+def projections(*names: str) -> list[str]:
+    return sorted(f"model.layers.{layer}.{name}" for layer in (0, 1) for name in names)
+
+
 @pytest.mark.parametrize("tied", [True, False])
-def test_model_packs_every_projection_and_keeps_its_logits(tied, monkeypatch):
-    monkeypatch.setattr(packed_linear, "MIN_PACKED_WEIGHTS", 0)
+@pytest.mark.parametrize("min_weights, packed_projections, head_packed", [
+    (0, projections("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"), True),
+    # a packed call's fixed cost outweighs a small matmul: o (1024), down (1536) and the head (1600) stay plain
+    (2048, projections("self_attn.qkv_proj", "mlp.gate_up_proj"), False),
+])
+def test_model_packs_the_weights_worth_it_and_keeps_its_logits(tied, min_weights, packed_projections, head_packed,
+                                                               monkeypatch):
+    monkeypatch.setattr(packed_linear, "MIN_PACKED_WEIGHTS", min_weights)
     model = small_model(tied)
     hidden = torch.randn(5, 32)
     expected = model.compute_logits(hidden)
     model.pack_linear_weights()
-    assert not any(isinstance(module, nn.Linear) for module in model.modules())
-    assert sum(isinstance(module, PackedLinear) for module in model.modules()) == 4 * 2 + 1
-    torch.testing.assert_close(model.compute_logits(hidden), expected, atol=1e-4, rtol=1e-5)
-
-
-@pytest.mark.parametrize("tied", [True, False])
-def test_model_packs_only_weights_worth_it(tied, monkeypatch):
-    """A packed call's fixed cost outweighs a small matmul: layers below the threshold stay plain."""
-    monkeypatch.setattr(packed_linear, "MIN_PACKED_WEIGHTS", 2048)
-    model = small_model(tied)
-    hidden = torch.randn(5, 32)
-    expected = model.compute_logits(hidden)
-    model.pack_linear_weights()
-    packed = sorted(name for name, module in model.named_modules() if isinstance(module, PackedLinear))
-    assert packed == [f"model.layers.{i}.{name}" for i in (0, 1) for name in ("mlp.gate_up_proj", "self_attn.qkv_proj")]
-    assert model.packed_lm_head is None  # 50 x 32 = 1600 weights
+    packed = sorted(name for name, module in model.named_modules()
+                    if isinstance(module, PackedLinear) and name.startswith("model."))
+    assert packed == packed_projections
+    assert isinstance(model.packed_lm_head, PackedLinear) == head_packed
     torch.testing.assert_close(model.compute_logits(hidden), expected, atol=1e-4, rtol=1e-5)
