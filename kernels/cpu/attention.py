@@ -3,7 +3,7 @@ import torch
 
 from kernels.attention import num_queries_per_kv
 from kernels.cpu.library import HEAD_DIMS, dtype_code, load
-from kernels.layout import check_last_dim_contiguous, check_on_cpu
+from kernels.layout import check_last_dim_contiguous, check_on_cpu, dense_like
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -20,7 +20,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         raise ValueError(f"the CPU attention kernel takes head_dim in {HEAD_DIMS}, got {head_dim}")
     block_tables, query_start_loc, seq_lens = (
         tensor.to(torch.int32).contiguous() for tensor in (block_tables, query_start_loc, seq_lens))
-    out = torch.empty(query.shape, dtype=query.dtype)
+    out = dense_like(query)
     load().paged_attention(
         dtype=dtype_code(query, key_cache, value_cache), out=out, query=query, key_cache=key_cache,
         value_cache=value_cache, block_tables=block_tables, query_start_loc=query_start_loc, seq_lens=seq_lens,

@@ -2,7 +2,7 @@
 import torch
 
 from kernels.cpu.library import dtype_code, load
-from kernels.layout import check_last_dim_contiguous, check_on_cpu
+from kernels.layout import check_last_dim_contiguous, check_on_cpu, dense_like
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -17,8 +17,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)} and residual "
                          f"{None if residual is None else tuple(residual.shape)} do not match")
     num_tokens, hidden_size = x.shape
-    out = torch.empty(x.shape, dtype=x.dtype)
-    new_residual = None if residual is None else torch.empty(x.shape, dtype=x.dtype)
+    out = dense_like(x)
+    new_residual = None if residual is None else dense_like(x)
     load().rms_norm(
         dtype=code, out=out, new_residual=new_residual, x=x, residual=residual, weight=weight, num_tokens=num_tokens,
         hidden_size=hidden_size, stride_x=x.stride(0), stride_residual=0 if residual is None else residual.stride(0),

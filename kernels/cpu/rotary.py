@@ -2,7 +2,7 @@
 import torch
 
 from kernels.cpu.library import dtype_code, load
-from kernels.layout import check_last_dim_contiguous, check_on_cpu
+from kernels.layout import check_last_dim_contiguous, check_on_cpu, dense_like
 
 
 def apply_rotary(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor,
@@ -13,8 +13,8 @@ def apply_rotary(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor
     num_tokens, num_heads, head_dim = query.shape
     positions = positions.to(torch.int64).contiguous()
     cos_sin_cache = cos_sin_cache.to(torch.float32).contiguous()
-    query_out = torch.empty(query.shape, dtype=query.dtype)
-    key_out = torch.empty(key.shape, dtype=key.dtype)
+    query_out = dense_like(query)
+    key_out = dense_like(key)
     load().apply_rotary(
         dtype=dtype_code(query, key), query_out=query_out, key_out=key_out, query=query, key=key, positions=positions,
         cos_sin_cache=cos_sin_cache, num_tokens=num_tokens, num_heads=num_heads, num_kv_heads=key.shape[1],
