@@ -31,9 +31,10 @@ ROUTING_WORKLOADS = [name for name in WORKLOADS if max_context(name) <= MAX_CONT
 
 def _calibration() -> str:
     fitted = json.loads(CALIBRATION.read_text())
-    return (f"measured {fitted['measured']} on {fitted['cpu']}, {fitted['threads']} thread, load average "
-            f"{fitted['load_average'][0]:.1f}, {len(fitted['steps'])} steps ({fitted['num_outliers_dropped']} dropped as "
-            f"outliers), median error {fitted['rel_error_median']:.0%}")
+    load = fitted["load_average"]
+    return (f"measured {fitted['measured']} on {fitted['cpu']}, {fitted['dtype']}, {fitted['threads']} threads, load "
+            f"average {load['before'][0]:.1f} before and {load['after'][0]:.1f} after, {len(fitted['steps'])} steps "
+            f"({fitted['num_outliers_dropped']} dropped as outliers), median error {fitted['rel_error_median']:.0%}")
 
 
 def parse_args() -> argparse.Namespace:
@@ -100,7 +101,8 @@ def main() -> None:
         "# Cluster simulator (benchmarks/sim_cluster.py)", "",
         "```", "python benchmarks/sim_cluster.py " + " ".join(sys.argv[1:]), "```", "",
         f"Step model: {args.step_model} {step_model} (seconds = a + b * prefill tokens + c * decoding sequences"
-        f" + d * their context tokens); calibration: {_calibration()}.",
+        f" + d * their context tokens + e * prefill attention, tokens x (tokens before + tokens / 2) per chunk);"
+        f" calibration: {_calibration()}.",
         f"Simulated on {cpu_name()} in {time.perf_counter() - started:.0f} s; {spec}; load {args.load}; "
         f"{args.requests_per_replica} requests per replica; seed {args.seed}.",
         "Capacity (requests/s per replica, saturated): " + ", ".join(

@@ -12,7 +12,7 @@ from collections import OrderedDict
 from replica.kv_cache import hash_token_blocks
 
 from .cluster import RequestRecord
-from .step_model import StepModel
+from .step_model import StepLoad, StepModel
 from .workloads import Program
 
 
@@ -36,9 +36,10 @@ def pooled_lru(programs: list[Program], records: list[RequestRecord], num_blocks
             if block_hash not in cache:
                 break
             num_hit += 1
-        hits += num_hit * block_size
+        num_computed = num_hit * block_size
+        hits += num_computed
         total += len(turn.prompt)
-        ttft_floor.append(step_model.seconds(len(turn.prompt) - num_hit * block_size, 0, 0))
+        ttft_floor.append(step_model.seconds(StepLoad.prefill(len(turn.prompt) - num_computed, num_computed)))
         for block_hash in block_hashes:
             cache[block_hash] = None
             cache.move_to_end(block_hash)
