@@ -7,10 +7,10 @@ engine replicas, behind 1 and then 2 ingress replicas; the bare app has one ingr
 --replicas replicas that yield one chunk each. Each app gets --warmup-s of load first, then
 --duration-s measured, in each of --rounds rounds (the machine's load drifts: a ratio is taken within
 a round, and the verdict is on the rounds' median). The load client is `wrk` (a Lua script makes
-each request's prompt), or without wrk an asyncio httpx client in a process of its own. CPU ms per request: the CPU time (user +
-system, psutil) that every process under this one (Ray's GCS, raylet, Serve's controller, proxy and
-replicas; not this driver, not the load client) spent during the measured window, over the requests
-answered in it.
+each request's prompt), or without wrk an asyncio httpx client in a process of its own. CPU ms per
+request: the CPU time (user + system, psutil) that every process under this one (Ray's GCS, raylet,
+Serve's controller, proxy and replicas; not this driver, not the load client) spent during the
+measured window, over the requests answered in it.
 
     apt-get install -y wrk
     PYTHONPATH=. python benchmarks/bench_front_door.py --markdown benchmarks/results/front-door.md
@@ -367,9 +367,9 @@ def report(args: argparse.Namespace, rounds: list[list[Result]]) -> str:
     return "\n\n".join([
         f"```\nPYTHONPATH=. python benchmarks/bench_front_door.py {' '.join(sys.argv[1:])}\n```",
         f"Machine: {machine()}. Load client: {client}, {args.connections} connections, {args.warmup_s:g} s of warm-up "
-        f"then {args.duration_s:g} s measured per app and round, {args.rounds} rounds (each round starts with the next app "
-        f"in turn; the ratios are taken within a round), a fresh prompt of {args.prompt_tokens} random token ids per "
-        f"request, max_tokens 1. {args.replicas} engine replicas of the tiny random model (bare app: {args.replicas} "
+        f"then {args.duration_s:g} s measured per app and round, {args.rounds} rounds (each round starts with the "
+        f"next app in turn; the ratios are taken within a round), a fresh prompt of {args.prompt_tokens} random token "
+        f"ids per request, max_tokens 1. {args.replicas} engine replicas of the tiny random model (bare app: {args.replicas} "
         f"replicas yielding one chunk). CPU ms per request: user + system time of every process under the driver "
         f"(Ray's and Serve's) during the measured window, over the requests answered in it.",
         rounds_table(rounds),

@@ -62,8 +62,8 @@ def test_cpu_table_puts_the_busiest_kinds_first_with_a_column_per_app():
 
 def rounds_of(requests: list[list[int]]) -> list[list[bench.Result]]:
     """Rounds of the apps bare, one and two, each app's CPU ms per request in the "proxy" process."""
-    return [[result(app, count, {"proxy": cpu}) for app, count, cpu in zip(("bare", "one", "two"), counts, (10, 12, 13))]
-            for counts in requests]
+    return [[result(app, count, {"proxy": cpu})
+             for app, count, cpu in zip(("bare", "one", "two"), counts, (10, 12, 13))] for counts in requests]
 
 
 def test_verdict_takes_each_ratio_within_its_round_and_judges_the_median():

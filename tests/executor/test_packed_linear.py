@@ -33,9 +33,9 @@ def test_can_pack_only_cpu_float_dtypes():
 
 def small_model(tied: bool) -> LlamaForCausalLM:
     """Weights: qkv 64 x 32, o 32 x 32, gate_up 96 x 32, down 32 x 48, head 50 x 32."""
-    config = ModelConfig(architecture="llama", vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
-                         num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0, max_position=64,
-                         tie_word_embeddings=tied, attention_bias=False)
+    config = ModelConfig(architecture="llama", vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0,
+                         max_position=64, tie_word_embeddings=tied, attention_bias=False)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config, get_ops("torch"), CPU)
     for param in model.parameters():
