@@ -362,6 +362,7 @@ def machine() -> str:
 
 
 def report(args: argparse.Namespace, rounds: list[list[Result]]) -> str:
+    together = pooled(rounds)
     client = "wrk" if args.client == "wrk" else "an asyncio httpx client in its own process" + (
         "" if shutil.which("wrk") else " (wrk is not installed)")
     return "\n\n".join([
@@ -373,8 +374,8 @@ def report(args: argparse.Namespace, rounds: list[list[Result]]) -> str:
         f"replicas yielding one chunk). CPU ms per request: user + system time of every process under the driver "
         f"(Ray's and Serve's) during the measured window, over the requests answered in it.",
         rounds_table(rounds),
-        "All rounds together:\n\n" + table(pooled(rounds)),
-        cpu_table(pooled(rounds)),
+        "All rounds together:\n\n" + table(together),
+        cpu_table(together),
         "\n".join(f"- {line}" for line in verdict(rounds))])
 
 
