@@ -22,5 +22,6 @@ class SchedulerConfig(pydantic.BaseModel):
     # cap on a pin's TTL, however long the observed gaps: coding agents wait up to 30 s for tests and builds
     pin_ttl_max_s: float = pydantic.Field(30.0, ge=0)
     # the longest a waiting turn defers to pinned programs and to programs that came first: past it, counted from
-    # its arrival, it goes first and may release pins (it bounds the next turns' latency; benchmarks/results/agents.md)
+    # its arrival, it goes first and may release the pins it has waited longer for than their history's recompute
+    # would take (it bounds the next turns' latency; benchmarks/results/agents.md)
     pin_max_wait_s: float = pydantic.Field(100.0, ge=0)

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from replica.kv_cache import KVCacheManager
 from replica.request import Request, RequestStatus
+from replica.scheduler.compute_rate import ComputeRate
 from replica.scheduler.config import SchedulerConfig
 from replica.scheduler.output import PinStats
 from replica.scheduler.pins import PROGRAMS_REMEMBERED, Pin, Pins, ToolGapEstimator
@@ -26,6 +27,7 @@ class PinKeeper:
         self._trace = trace
         self._tool_gaps = (ToolGapEstimator(config.pin_ttl_default_s, config.pin_ttl_max_s)
                            if config.policy == "continuum" else None)
+        self.compute_rate = ComputeRate(clock)  # the scheduler reports its steps to it
         self._next_turns: set[str] = set()  # waiting requests whose program's previous turn finished here
         self._arrived_at: dict[str, float] = {}  # unfinished request -> when it arrived here
         self._program_started: OrderedDict[str, float] = OrderedDict()  # program -> its earliest turn's arrival here
@@ -75,18 +77,31 @@ class PinKeeper:
                 pin.hit = True
                 self._count("hits", request.request_id)
 
-    def may_release_to_admit(self, request: Request, anything_running: bool) -> bool:
-        """While the replica runs something, an admission waits for pins to expire or for their programs'
-        next turns, which go first: under memory pressure, releasing pins for new programs evicts the
-        histories the pinned programs come back for, and both recompute (benchmarks/results/agents.md).
-        With nothing running, waiting would leave the replica idle through the tool gaps; and programs
-        that keep coming back renew their pins, so a request that has waited pin_max_wait_s takes them."""
-        return bool(self.pins) and (not anything_running or self._waited_too_long(request))
+    def release_to_admit(self, request: Request, anything_running: bool) -> bool:
+        """Free a pin so that the waiting request fits; False when none may go. While the replica runs something,
+        an admission waits for pins to expire or for their programs' next turns, which go first: under memory
+        pressure, releasing pins for new programs evicts the histories the pinned programs come back for, and both
+        recompute (benchmarks/results/agents.md). With nothing running, waiting would leave the replica idle
+        through the tool gaps. Programs that keep coming back renew their pins, so a request that has waited
+        pin_max_wait_s takes the pins whose recompute would not take longer than it has waited: it waits no longer
+        than releasing would cost the pin's program (a 30k-token history recomputes for minutes on a CPU)."""
+        if not self.pins:
+            return False
+        if not anything_running:
+            return self.release_one_for(request)
+        if not self._waited_too_long(request):
+            return False
+        waited = self._clock() - self._arrived_at[request.request_id]
+        recompute_s = self.compute_rate.seconds
+        return self._release_first(request, lambda pin: recompute_s(pin.request.num_computed_tokens) <= waited)
 
     def release_one_for(self, request: Request) -> bool:
         """Free the pin of the program that came last, other than the request's own program's: under program-level
         FCFS it is the one to wait longest anyway. Pins go before any preemption."""
-        pin = self.pins.pop_first(key=self._came_last_first, keep=request.session_id)
+        return self._release_first(request, lambda pin: True)
+
+    def _release_first(self, request: Request, eligible: Callable[[Pin], bool]) -> bool:
+        pin = self.pins.pop_first(key=self._came_last_first, keep=request.session_id, eligible=eligible)
         if pin is None:
             return False
         self._end(pin, "released")

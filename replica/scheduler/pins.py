@@ -4,7 +4,8 @@ that turn has arrived, until it has run (however long it waits for admission).
 
 A pin never costs a running request: the scheduler releases pins (expired ones at the start of each
 step, then the pin of the program that came last) before it preempts. A waiting request releases pins
-that have time left only when nothing runs, or once it has waited pin_max_wait_s.
+that have time left only when nothing runs, or once it has waited pin_max_wait_s and as long as the pin's
+history would take the replica to recompute.
 """
 import heapq
 import itertools
@@ -132,9 +133,11 @@ class Pins:
                 expired.append(entry)
         return [self.pop(pin.request.session_id) for _, _, pin in sorted(expired, key=lambda entry: entry[1])]
 
-    def pop_first(self, key: Callable[[Pin], object], keep: str | None) -> Pin | None:
-        """The pin that key orders first, other than program keep's (its own turn needs it)."""
-        pin = min((pin for pin in self._by_session.values() if pin.request.session_id != keep), key=key, default=None)
+    def pop_first(self, key: Callable[[Pin], object], keep: str | None,
+                  eligible: Callable[[Pin], bool] = lambda pin: True) -> Pin | None:
+        """The eligible pin that key orders first, other than program keep's (its own turn needs it)."""
+        pins = (pin for pin in self._by_session.values() if pin.request.session_id != keep and eligible(pin))
+        pin = min(pins, key=key, default=None)
         return pin and self.pop(pin.request.session_id)
 
     def _is_current(self, pin: Pin) -> bool:

@@ -97,6 +97,7 @@ class Scheduler:
         if not plan.preempted:
             self._schedule_waiting(plan)
         output = self._make_output(plan)
+        self._pin_keeper.compute_rate.step_scheduled(output.total_num_scheduled_tokens)
         async_scheduling = self.config.async_scheduling
         for group in (plan.running, plan.resumed, plan.new):
             for request, _, num_tokens in group:
@@ -159,8 +160,7 @@ class Scheduler:
             new_blocks = kv.allocate_slots(request, num_new_tokens, num_computed_tokens, computed_blocks,
                                            full_sequence_must_fit=self.config.reserve_full_sequence)
             if new_blocks is None:
-                if self._pin_keeper.may_release_to_admit(request, bool(self.running)) and \
-                        self._pin_keeper.release_one_for(request):
+                if self._pin_keeper.release_to_admit(request, bool(self.running)):
                     continue
                 break  # strict head-of-line: no skipping ahead, no preempting to admit
             self.waiting.pop()
@@ -252,6 +252,7 @@ class Scheduler:
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_output: ModelRunnerOutput) -> list[RequestOutput]:
+        self._pin_keeper.compute_rate.step_done(scheduler_output.total_num_scheduled_tokens)
         outputs, self._ignored = self._ignored, []
         stopped: set[Request] = set()
         requests = self.requests

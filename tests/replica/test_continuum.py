@@ -4,7 +4,7 @@ from replica.scheduler import PinStats, Scheduler
 from replica.scheduler.pins import PROGRAMS_REMEMBERED, Pins, ToolGapEstimator
 from replica.scheduler.request_queue import ContinuumRequestQueue
 
-from .scheduler_helpers import FakeClock, make_scheduler, step
+from .scheduler_helpers import FakeClock, fake_model_output, make_scheduler, step
 
 BLOCK_SIZE = 4
 
@@ -291,3 +291,29 @@ def test_the_continuum_queue_pops_the_request_its_peek_found_though_the_ranks_mo
     ranks["b"] = (0,)  # b waited past pin_max_wait_s while a was being admitted
     assert queue.pop() is first
     assert queue.peek() is second and len(queue) == 1
+
+
+def paced_step(clock: FakeClock, scheduler, seconds_per_token: float = 0.125):
+    """A step that takes seconds_per_token for each token it computes."""
+    output = scheduler.schedule()
+    clock.now += seconds_per_token * output.total_num_scheduled_tokens
+    return output, scheduler.update_from_output(output, fake_model_output(scheduler, output))
+
+
+def test_a_request_that_waited_pin_max_wait_s_takes_only_pins_it_waited_longer_for_than_their_recompute():
+    clock, scheduler = continuum(num_blocks=16, pin_max_wait_s=3.0, pin_ttl_default_s=100.0)
+    for session, num_tokens in (("p", 8), ("q", 32)):  # 1 s and 4 s of compute at 0.125 s a token
+        scheduler.add_request(turn(f"{session}/1", [ord(session)] * num_tokens, session_id=session))
+        paced_step(clock, scheduler)
+    assert num_free(scheduler) == 5  # p pins 2 blocks, q 8
+    clock.now = 10.0
+    scheduler.add_request(turn("running", list(range(200, 203)), session_id=None, max_tokens=50))
+    paced_step(clock, scheduler)
+    scheduler.add_request(turn("r", list(range(100, 128)), session_id=None))  # 7 blocks, arrives at 10.375
+    assert paced_step(clock, scheduler)[0].num_scheduled_tokens == {"running": 1}
+    clock.now = 13.4  # r waited 3 s: p's recompute (1 s) is shorter, q's (4 s) longer, though q came last
+    assert paced_step(clock, scheduler)[0].num_scheduled_tokens == {"running": 1}
+    assert "p" not in scheduler.pins and "q" in scheduler.pins
+    clock.now = 14.4  # r waited longer than q's recompute
+    assert paced_step(clock, scheduler)[0].num_scheduled_tokens == {"running": 1, "r": 28}
+    assert scheduler.make_stats().pins == PinStats(num_pinned_blocks=0, pinned=2, released=2)
