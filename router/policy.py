@@ -39,7 +39,8 @@ class PolicyConfig(pydantic.BaseModel):
     request_cost_tokens: float = pydantic.Field(64.0, ge=0)
     """Cost of every request already running or queued on the replica: the decode work the new request
     shares each step with. 64 from benchmarks/sim_cluster.py (benchmarks/results/routing-sim.md): at
-    256, chats left their history's replica for a few requests' difference and recomputed it. Not
+    256, chats left their history's replica for a few requests' difference and recomputed it (under
+    the refitted step model 32 did no better). Not
     counted for a later turn of a session (nor context_token_weight): its first turn chose the
     replica it lives on, and only queued prefill, memory and preemptions move it from there."""
     context_token_weight: float = pydantic.Field(0.04, ge=0)
