@@ -22,33 +22,27 @@ class PolicyConfig(pydantic.BaseModel):
     policy: Literal["prefix", "round_robin", "least_loaded"] = "prefix"
     """prefix: the cheapest replica by the token cost model; round_robin: in turn; least_loaded: power of
     two choices on outstanding requests."""
-    uncached_token_weight: float = pydantic.Field(6.0, ge=1)
+    uncached_token_weight: float = pydantic.Field(3.0, ge=1)
     """Cost per token of this request the replica does not cache. Queued tokens cost 1 (time waited);
     the request's own uncached tokens are time waited too, and work the cluster spends on it, which
-    near capacity delays every later request; and a long prompt's attention makes its every token
-    cost more than a short one's. 6 from benchmarks/sim_cluster.py at load 0.9, seeds 0-2 at 8 and 16
-    replicas (benchmarks/results/routing-sim.md): at 3 the cluster cached 8.6 points less of the
-    system prompts than the best baseline, a router that never spreads, for 1.72x its TTFT p50; at 6,
-    1.5 points less for 0.83x."""
+    near capacity delays every later request. 3 from benchmarks/sim_cluster.py at load 0.9: at 2 a
+    replica busy with one long prefill copied its system prompts onto idle replicas, and at 8
+    replicas the cluster cached 75% of prompt tokens against 87% for a router that never spreads."""
     step_token_budget: int = pydantic.Field(8192, ge=1)
     """The engines' max_num_batched_tokens (ClusterConfig sets it from theirs): queued prefill beyond it
     takes more steps."""
-    step_overhead_tokens: float = pydantic.Field(27.0, ge=0)
-    """A step's fixed cost (launch, sampling, scheduling) in tokens of prefill it would take as long to compute:
-    27 in the simulator's calibrated step model (38.5 ms a step, 1.40 ms a prefill token)."""
+    step_overhead_tokens: float = pydantic.Field(64.0, ge=0)
+    """A step's fixed cost (launch, sampling, scheduling) in tokens of prefill it would take as long to compute."""
     request_cost_tokens: float = pydantic.Field(64.0, ge=0)
     """Cost of every request already running or queued on the replica: the decode work the new request
     shares each step with. 64 from benchmarks/sim_cluster.py (benchmarks/results/routing-sim.md): at
-    256, chats left their history's replica for a few requests' difference and recomputed it (under
-    the refitted step model 32 did no better). Not
+    256, chats left their history's replica for a few requests' difference and recomputed it. Not
     counted for a later turn of a session (nor context_token_weight): its first turn chose the
     replica it lives on, and only queued prefill, memory and preemptions move it from there."""
-    context_token_weight: float = pydantic.Field(0.04, ge=0)
+    context_token_weight: float = pydantic.Field(0.1, ge=0)
     """Cost per token of context that the requests routed to the replica attend to: every decode step
     reads them all, so a replica decoding long documents takes longer over each step the request
-    waits through (in the calibrated step model 0.004 prefill tokens a context token a step, so
-    0.04 counts about 10 steps). 0.04 from the simulator (seeds 0-2 at 8 and 16 replicas): document
-    QA's TTFT p50 0.67x the best baseline's, against 0.80x at 0.1 (both with an uncached weight of 6)."""
+    waits through. 0.1 from the simulator's document-qa workload (TTFT p50 halved against 0)."""
     memory_weight: float = pydantic.Field(1.0, ge=0)
     """Cost per token of KV cache the replica lacks for this request (free and evictable blocks below
     its uncached blocks): what it must preempt and later recompute."""

@@ -3,23 +3,20 @@ import pytest
 
 from benchmarks.sim.experiment import ClusterSpec, simulate
 from benchmarks.sim.workloads import Program, Turn, assign_starts, make_workload
-from router import PolicyConfig
 
 from .test_sim import STEP_MODEL
 
 SPEC = ClusterSpec(num_blocks=1024)
 # system_prompts() routed by one router before the simulator had K routers (commit e2ecf0f); a
-# publish lag of 30 ms instead of 10 would change them. Routed with that commit's default weights.
-E2ECF0F_WEIGHTS = PolicyConfig(uncached_token_weight=3, step_overhead_tokens=64, context_token_weight=0.1)
+# publish lag of 30 ms instead of 10 would change them
 ONE_ROUTER_REPLICAS = "01232233331200311223303330111223"
 ONE_ROUTER_CACHED_TOKENS = 45072
 ONE_ROUTER_TTFT_SUM_S = 11.400552155142995
 
 
-def routed(programs: list[Program], num_replicas: int, spec: ClusterSpec,
-           config: PolicyConfig | None = None) -> tuple[str, int, float]:
+def routed(programs: list[Program], num_replicas: int, spec: ClusterSpec) -> tuple[str, int, float]:
     """The replica of every turn in arrival order, the cached prompt tokens and the sum of TTFTs."""
-    records, _ = simulate(programs, num_replicas, "prefix", STEP_MODEL, spec, seed=0, config=config)
+    records, _ = simulate(programs, num_replicas, "prefix", STEP_MODEL, spec, seed=0)
     records.sort(key=lambda record: record.arrival_s)
     return ("".join(record.replica_id.removeprefix("r") for record in records),
             sum(record.num_cached_tokens for record in records),
@@ -39,14 +36,14 @@ def unrelated_prompts(count: int, apart_s: float) -> list[Program]:
 
 
 def test_one_router_routes_as_before_the_simulator_had_several():
-    assert routed(system_prompts(), 4, SPEC, E2ECF0F_WEIGHTS) == (ONE_ROUTER_REPLICAS, ONE_ROUTER_CACHED_TOKENS,
+    assert routed(system_prompts(), 4, SPEC) == (ONE_ROUTER_REPLICAS, ONE_ROUTER_CACHED_TOKENS,
                                                  ONE_ROUTER_TTFT_SUM_S)
 
 
 @pytest.mark.parametrize("num_routers", [2, 4])
 def test_routers_that_learn_everything_at_once_route_as_one(num_routers):
     spec = ClusterSpec(num_blocks=1024, num_routers=num_routers, sync_delay_s=0.0)
-    assert routed(system_prompts(), 4, spec, E2ECF0F_WEIGHTS) == (ONE_ROUTER_REPLICAS, ONE_ROUTER_CACHED_TOKENS,
+    assert routed(system_prompts(), 4, spec) == (ONE_ROUTER_REPLICAS, ONE_ROUTER_CACHED_TOKENS,
                                                  ONE_ROUTER_TTFT_SUM_S)
 
 
