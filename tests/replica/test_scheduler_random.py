@@ -89,11 +89,12 @@ class _Program:
 
 def test_agent_programs_under_continuum_leave_no_block_pinned_or_held():
     """10^4 turns of programs that end with a last turn, stop sending, grow out of the context, or get
-    aborted; tool gaps around the pins' time-to-live."""
+    aborted; tool gaps around the pins' time-to-live; steps that take 20 ms a token, so that pins' recompute
+    prices reach past pin_max_wait_s."""
     rng, clock = random.Random(0), FakeClock()
     scheduler = make_scheduler(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, policy="continuum", clock=clock,
                                max_num_batched_tokens=48, max_num_seqs=12, max_model_len=128,
-                               pin_ttl_default_s=1.0, pin_ttl_max_s=3.0, pin_max_wait_s=3.0)
+                               pin_ttl_default_s=1.0, pin_ttl_max_s=3.0, pin_max_wait_s=1.0)
     system_prompts = [[rng.randrange(1000) for _ in range(rng.randrange(8, 24))] for _ in range(3)]
     programs: list[_Program] = []
     num_sent = num_aborted = 0
@@ -114,6 +115,7 @@ def test_agent_programs_under_continuum_leave_no_block_pinned_or_held():
             num_aborted += 1
         output = scheduler.schedule()
         check_invariants(scheduler, output)
+        clock.now += 0.02 * output.total_num_scheduled_tokens
         finished = {out.request_id for out in scheduler.update_from_output(
             output, fake_model_output(scheduler, output, rng.randrange(1000))) if out.finished}
         for program in programs:
