@@ -24,10 +24,10 @@ class ComputeRate:
         whichever came later: with async scheduling two steps are in flight, and idle time is no step's."""
         if not num_tokens:
             return
-        scheduled_at, num_tokens = self._in_flight.popleft()
+        scheduled_at, scheduled_tokens = self._in_flight.popleft()
         now = self._clock()
         self._seconds = self._seconds * _DECAY + now - max(scheduled_at, self._last_done)
-        self._tokens = self._tokens * _DECAY + num_tokens
+        self._tokens = self._tokens * _DECAY + scheduled_tokens
         self._last_done = now
 
     def seconds(self, num_tokens: int) -> float:
