@@ -25,9 +25,10 @@ class PinKeeper:
         self._kv = kv_cache_manager
         self._clock = clock
         self._trace = trace
-        self._tool_gaps = (ToolGapEstimator(config.pin_ttl_default_s, config.pin_ttl_max_s)
-                           if config.policy == "continuum" else None)
-        self.compute_rate = ComputeRate(clock)  # the scheduler reports its steps to it
+        continuum = config.policy == "continuum"
+        self._tool_gaps = ToolGapEstimator(config.pin_ttl_default_s, config.pin_ttl_max_s) if continuum else None
+        # what a pin's recompute costs; the scheduler reports its steps to it under continuum only
+        self.compute_rate = ComputeRate(clock) if continuum else None
         self._next_turns: set[str] = set()  # waiting requests whose program's previous turn finished here
         self._arrived_at: dict[str, float] = {}  # unfinished request -> when it arrived here
         self._program_started: OrderedDict[str, float] = OrderedDict()  # program -> its earliest turn's arrival here
@@ -58,9 +59,12 @@ class PinKeeper:
             self._program_started.get(request.session_id, arrived_at), arrived_at
 
     def _waited_too_long(self, request: Request) -> bool:
+        return self._waited(request) >= self._config.pin_max_wait_s
+
+    def _waited(self, request: Request) -> float:
         """Since it arrived (a preempted request: since it first arrived), not since it reached the queue's head:
         requests held back one after the other would add up their waits."""
-        return self._clock() - self._arrived_at[request.request_id] >= self._config.pin_max_wait_s
+        return self._clock() - self._arrived_at[request.request_id]
 
     def expire(self) -> None:
         for pin in self.pins.pop_expired(self._clock()):
@@ -89,18 +93,18 @@ class PinKeeper:
             return False
         if not anything_running:
             return self.release_one_for(request)
-        if not self._waited_too_long(request):
+        waited = self._waited(request)
+        if waited < self._config.pin_max_wait_s:
             return False
-        waited = self._clock() - self._arrived_at[request.request_id]
         recompute_s = self.compute_rate.seconds
         return self._release_first(request, lambda pin: recompute_s(pin.request.num_computed_tokens) <= waited)
 
     def release_one_for(self, request: Request) -> bool:
         """Free the pin of the program that came last, other than the request's own program's: under program-level
         FCFS it is the one to wait longest anyway. Pins go before any preemption."""
-        return self._release_first(request, lambda pin: True)
+        return self._release_first(request)
 
-    def _release_first(self, request: Request, eligible: Callable[[Pin], bool]) -> bool:
+    def _release_first(self, request: Request, eligible: Callable[[Pin], bool] | None = None) -> bool:
         pin = self.pins.pop_first(key=self._came_last_first, keep=request.session_id, eligible=eligible)
         if pin is None:
             return False

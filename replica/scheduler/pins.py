@@ -134,9 +134,11 @@ class Pins:
         return [self.pop(pin.request.session_id) for _, _, pin in sorted(expired, key=lambda entry: entry[1])]
 
     def pop_first(self, key: Callable[[Pin], object], keep: str | None,
-                  eligible: Callable[[Pin], bool] = lambda pin: True) -> Pin | None:
-        """The eligible pin that key orders first, other than program keep's (its own turn needs it)."""
-        pins = (pin for pin in self._by_session.values() if pin.request.session_id != keep and eligible(pin))
+                  eligible: Callable[[Pin], bool] | None = None) -> Pin | None:
+        """The pin that key orders first among the eligible ones (None: all), other than program keep's (its own
+        turn needs it)."""
+        pins = (pin for pin in self._by_session.values()
+                if pin.request.session_id != keep and (eligible is None or eligible(pin)))
         pin = min(pins, key=key, default=None)
         return pin and self.pop(pin.request.session_id)
 

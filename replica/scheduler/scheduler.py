@@ -62,6 +62,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._trace = trace or SchedulerTrace.from_env()
         self._pin_keeper = PinKeeper(config, kv_cache_manager, clock, self._trace)
+        self._compute_rate = self._pin_keeper.compute_rate
         match config.policy:
             case "priority":
                 self.waiting = PriorityRequestQueue()
@@ -97,7 +98,8 @@ class Scheduler:
         if not plan.preempted:
             self._schedule_waiting(plan)
         output = self._make_output(plan)
-        self._pin_keeper.compute_rate.step_scheduled(output.total_num_scheduled_tokens)
+        if self._compute_rate is not None:
+            self._compute_rate.step_scheduled(output.total_num_scheduled_tokens)
         async_scheduling = self.config.async_scheduling
         for group in (plan.running, plan.resumed, plan.new):
             for request, _, num_tokens in group:
@@ -252,7 +254,8 @@ class Scheduler:
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_output: ModelRunnerOutput) -> list[RequestOutput]:
-        self._pin_keeper.compute_rate.step_done(scheduler_output.total_num_scheduled_tokens)
+        if self._compute_rate is not None:
+            self._compute_rate.step_done(scheduler_output.total_num_scheduled_tokens)
         outputs, self._ignored = self._ignored, []
         stopped: set[Request] = set()
         requests = self.requests
