@@ -4,7 +4,7 @@ Every engine step publishes one batch: --stores-per-step BlockStored events of o
 requests decoding store a block every 16 tokens each: 2 a step), as many BlockRemoved once the engine's
 cache is full, its stats, and a finished request every 4th step. The feed's owner (the router actor)
 records --seconds of those batches; a follower syncing every --sync-interval-s takes each update
-through pickle (what Ray's transport does to it) and replays it on its own Router. Printed: the
+through pickle (what the feed's wire, router/wire.py, does to it) and replays it on its own Router. Printed: the
 follower's CPU seconds per second of engine traffic (the fraction of a core it costs), against the
 owner's applying the same batches to its own Router (what the one router actor did alone before) in
 the same run.

@@ -2,13 +2,13 @@
 
 Between two engine steps the engine loop records what the step changed (its KV events, its stats)
 and the publisher adds the requests that finished; it never waits for the router. One sender task
-sends that to the router actor as batch seq = 1, 2, 3..., one batch in flight at a time, and no
-sooner than send_interval_s after the last one was sent: whatever accumulated meanwhile goes as the
-next one, so a slow router or a busy engine sends fewer, larger batches. A reply saying the router
-lost track (a gap, a router that restarted), a batch that failed, or a router that cannot be found
-makes the next batch a resync: the replica's full list of cached block hashes, read at the next step
-boundary, instead of events. An unreachable router is looked up again no sooner than
-retry_interval_s later.
+sends that to the router actor's feed (router/wire.py) as batch seq = 1, 2, 3..., one batch in flight
+at a time, and no sooner than send_interval_s after the last one was sent: whatever accumulated
+meanwhile goes as the next one, so a slow router or a busy engine sends fewer, larger batches. A
+reply saying the router lost track (a gap, a router that restarted), a batch that failed, or a router
+that cannot be found makes the next batch a resync: the replica's full list of cached block hashes,
+read at the next step boundary, instead of events. An unreachable router is looked up again no
+sooner than retry_interval_s later.
 """
 import asyncio
 import logging
@@ -21,9 +21,8 @@ from router.actor import RouterClient
 from router.messages import FinishedRequest
 
 if TYPE_CHECKING:
-    from ray.actor import ActorHandle
-
     from replica.engine import EngineCore
+    from router.wire import FeedConnection
 
 logger = logging.getLogger("ray.serve.prefixserve.publisher")
 
@@ -81,7 +80,7 @@ class RouterPublisher:
             if (wait_s := sent_at + self._send_interval_s - loop.time()) > 0:
                 await asyncio.sleep(wait_s)
 
-    async def _find_router(self) -> "ActorHandle | None":
+    async def _find_router(self) -> "FeedConnection | None":
         try:
             router = await self._router.get()
         except Exception as exc:
@@ -96,16 +95,15 @@ class RouterPublisher:
             self._router_unreachable = False
         return router
 
-    async def _send(self, router: "ActorHandle") -> None:
+    async def _send(self, router: "FeedConnection") -> None:
         finished, self._finished = self._finished, []
         self._seq += 1
         if self._resync_hashes is not None:
-            method, payload, self._resync_hashes = router.resync, self._resync_hashes, None
+            method, payload, self._resync_hashes = "resync", self._resync_hashes, None
         else:
-            method, payload, self._events = router.publish, self._events, []
-        ref = method.remote(self.replica_id, self._seq, payload, self._stats, finished)
+            method, payload, self._events = "publish", self._events, []
         try:
-            accepted = await asyncio.wrap_future(ref.future())
+            accepted = await router.call(method, self.replica_id, self._seq, payload, self._stats, finished)
         except Exception as exc:
             logger.warning("replica %s lost batch %d: %r", self.replica_id, self._seq, exc)
             self._router.reset()

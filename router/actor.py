@@ -7,11 +7,10 @@ path: each ingress routes in its own process on its own copy of that view, and s
 through the same feed (router/feed.py). A follower with nothing new to read is held (follow's
 wait_s) until there is something, so an idle ingress costs next to nothing and news reaches it at once.
 
-The reports run one at a time on the actor's one default thread, in the order Ray received them, so
-a replica's batches arrive in sequence (and a replica has one batch in flight at a time anyway).
-Syncs run on threads of their own (FOLLOWERS), so that a held one never holds up a report; a lock
-keeps the two apart. Threads, not asyncio: an async actor's calls cost about 1.5x a threaded one's
-(1.3 ms against 0.85 ms of the actor's CPU each, measured on 2 cores with Ray 2.60).
+Engines and ingress replicas reach the feed through a socket of the actor's (router/wire.py), not
+through Ray calls, which cost ten times as much: each caller asks the actor once for its address. Each
+connection is served on a thread of its own, so a held sync never holds up a report and a replica's
+batches arrive in the order it sent them; a lock keeps reports and syncs apart.
 
 The actor is named after the Serve app and its routing config, and created by an ingress's process
 (whichever asks first: get_if_exists). It dies with that process, so it never outlives the app;
@@ -31,11 +30,11 @@ from ray.actor import ActorHandle
 
 from router.feed import FeedingRouter, FeedUpdate, SharedBooking
 from router.policy import PolicyConfig
+from router.wire import FeedConnection, FeedServer
 
 NAMESPACE = "prefixserve"
 Result = TypeVar("Result")
-FOLLOWERS = "followers"  # the concurrency group of follow(): syncs held at once, one per ingress replica
-MAX_HELD_SYNCS = 64  # more ingress replicas than this: a sync may wait for a thread (up to one long poll)
+FEED_METHODS = frozenset({"publish", "resync", "remove_replica", "follow"})
 
 
 class RouterActor(FeedingRouter):
@@ -45,6 +44,13 @@ class RouterActor(FeedingRouter):
         # Everything imported so far lives as long as the actor: keep the collector off it, so that
         # a full collection walks only what routing creates (the index itself holds no containers).
         gc.freeze()
+        self._server: FeedServer | None = None
+
+    def address(self) -> tuple[tuple[str, int], bytes]:
+        """Where the feed is served, on this actor's node, and the token a connection starts with."""
+        if self._server is None:
+            self._server = FeedServer(self, FEED_METHODS, ray.util.get_node_ip_address())
+        return self._server.address, self._server.token
 
     def publish(self, replica_id, seq, events, stats, finished) -> bool:
         return self._recording(super().publish, replica_id, seq, events, stats, finished)
@@ -55,7 +61,6 @@ class RouterActor(FeedingRouter):
     def remove_replica(self, replica_id: str) -> None:
         self._recording(super().remove_replica, replica_id)
 
-    @ray.method(concurrency_group=FOLLOWERS)
     def follow(self, follower: str, epoch: str | None, cursor: int, bookings: list[SharedBooking],
                wait_s: float = 0.0) -> FeedUpdate:
         """FeedingRouter.follow; with nothing new for the follower, held until there is or wait_s passes."""
@@ -86,30 +91,39 @@ def get_or_create_router(app_name: str, config: PolicyConfig, block_size: int, c
     ValueError). Blocks on Ray's GCS."""
     if not create:
         return ray.get_actor(router_actor_name(app_name, config, block_size), namespace=NAMESPACE)
-    return ray.remote(concurrency_groups={FOLLOWERS: MAX_HELD_SYNCS})(RouterActor).options(
+    return ray.remote(RouterActor).options(
         name=router_actor_name(app_name, config, block_size), namespace=NAMESPACE, get_if_exists=True,
         num_cpus=0, max_restarts=-1,
     ).remote(config, block_size)
 
 
 class RouterClient:
-    """The app's RouterActor, found (or created) on first use and again after reset()."""
+    """A connection to the app's RouterActor's feed, opened (the actor found, or created) on first use and
+    again after reset()."""
 
     def __init__(self, app_name: str, config: PolicyConfig, block_size: int, create: bool = True):
         """create: whether this process creates the actor (and owns it) when there is none."""
         self._args = (app_name, config, block_size, create)
-        self._lookup: asyncio.Future | None = None
+        self._connecting: asyncio.Future | None = None
+        self._actor: ActorHandle | None = None  # kept: an actor nobody holds a handle to is ended by Ray
 
-    async def get(self) -> ActorHandle:
-        if self._lookup is None:
-            self._lookup = asyncio.ensure_future(asyncio.to_thread(get_or_create_router, *self._args))
+    async def get(self) -> FeedConnection:
+        if self._connecting is None:
+            self._connecting = asyncio.ensure_future(self._connect())
         try:
-            return await asyncio.shield(self._lookup)  # a caller timing out leaves the lookup running
+            return await asyncio.shield(self._connecting)  # a caller timing out leaves the lookup running
         except Exception:
-            if self._lookup.done():
-                self._lookup = None
+            if self._connecting.done():
+                self._connecting = None
             raise
 
     def reset(self) -> None:
-        """A call failed because the actor died (with the process that created it): look again next time."""
-        self._lookup = None
+        """A call failed: the actor may have died (with the process that created it). Connect again next time."""
+        if self._connecting is not None and self._connecting.done() and not self._connecting.exception():
+            self._connecting.result().close()
+        self._connecting = None
+
+    async def _connect(self) -> FeedConnection:
+        self._actor = actor = await asyncio.to_thread(get_or_create_router, *self._args)
+        address, token = await asyncio.wrap_future(actor.address.remote().future())
+        return await FeedConnection.open(address, token)

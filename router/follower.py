@@ -13,8 +13,6 @@ import logging
 import uuid
 from collections.abc import Sequence
 
-from ray.exceptions import RayActorError
-
 from replica.kv_cache import BlockHash
 from router.actor import RouterClient
 from router.core import Router
@@ -88,9 +86,8 @@ class FollowingRouter:
         try:
             feed = await self._feed.get()
             for replica_id in removed:
-                feed.remove_replica.remote(replica_id)
-            update: FeedUpdate = await feed.follow.remote(self.name, self._epoch, self._cursor, bookings,
-                                                           wait_s)
+                await feed.call("remove_replica", replica_id)
+            update: FeedUpdate = await feed.call("follow", self.name, self._epoch, self._cursor, bookings, wait_s)
         except Exception as exc:  # the bookings are lost to the others; the replicas' reports will cover them
             self._warn_once(exc)
             self._removed = removed + self._removed
@@ -107,8 +104,7 @@ class FollowingRouter:
             await asyncio.sleep(self._interval_s)
 
     def _warn_once(self, exc: Exception) -> None:
-        if isinstance(exc, RayActorError):
-            self._feed.reset()
+        self._feed.reset()
         if self._feed_ok:
             logger.warning("%s cannot sync with the router feed (%r); routing on its last view", self.name, exc)
         self._feed_ok = False

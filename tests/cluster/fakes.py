@@ -161,11 +161,11 @@ def cached_tokens(attempt: int) -> int:
 
 
 class FakeRouterClient:
-    """A RouterClient handing out a fake router actor handle; the first `unreachable` lookups fail. Given a
+    """A RouterClient handing out a fake feed connection; the first `unreachable` lookups fail. Given a
     gate, lookups wait until it is set (a slow GCS)."""
 
-    def __init__(self, handle, *, unreachable: int = 0, gate: asyncio.Event | None = None):
-        self.handle = handle
+    def __init__(self, connection, *, unreachable: int = 0, gate: asyncio.Event | None = None):
+        self.connection = connection
         self.unreachable = unreachable
         self.gate = gate
         self.lookups = 0
@@ -177,7 +177,7 @@ class FakeRouterClient:
             await self.gate.wait()
         if self.lookups <= self.unreachable:
             raise ConnectionError("GCS unavailable")
-        return self.handle
+        return self.connection
 
     def reset(self) -> None:
         self.resets += 1

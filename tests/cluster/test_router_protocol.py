@@ -1,7 +1,6 @@
 """Replica <-> router protocol without Ray: RouterPublisher talking to a RouterActor through a fake handle, fed
 by a fake engine core, alone or driven by AsyncEngine."""
 import asyncio
-import concurrent.futures
 import functools
 import logging
 
@@ -22,35 +21,20 @@ STATS = SchedulerStats(num_running=0, num_waiting=0, kv_usage=0.0, num_preemptio
                        prefix_cache_hits=0)
 
 
-class FakeObjectRef:
-    def __init__(self, future: concurrent.futures.Future):
-        self._future = future
-
-    def future(self) -> concurrent.futures.Future:
-        return self._future
-
-
-class FakeRouterHandle:
-    """A RouterActor reached like a Ray actor handle: a slow one, whose calls wait until deliver() runs them
+class FakeFeedConnection:
+    """A RouterActor reached like a feed connection: a slow one, whose calls wait until deliver() runs them
     in order."""
 
     def __init__(self, actor: RouterActor):
         self.actor = actor
-        self.pending: list[tuple[str, tuple, concurrent.futures.Future]] = []
+        self.pending: list[tuple[str, tuple, asyncio.Future]] = []
         self.delivered: list[tuple[str, int]] = []  # (method, seq)
         self.payloads: list[tuple[list, list[FinishedRequest]]] = []  # (events or hashes, finished) of each
 
-    def __getattr__(self, method: str):
-        handle = self
-
-        class FakeActorMethod:
-            @staticmethod
-            def remote(*args) -> FakeObjectRef:
-                future = concurrent.futures.Future()
-                handle.pending.append((method, args, future))
-                return FakeObjectRef(future)
-
-        return FakeActorMethod
+    async def call(self, method: str, *args):
+        future = asyncio.get_running_loop().create_future()
+        self.pending.append((method, args, future))
+        return await future
 
     async def deliver(self, *, lose: bool = False) -> None:
         pending, self.pending = self.pending, []
@@ -121,7 +105,7 @@ def stored(prompt: list[int]) -> BlockStored:
 
 def test_batches_are_numbered_and_mirrored_by_the_router():
     async def test():
-        core, handle = FakeEngineCore(), FakeRouterHandle(new_router())
+        core, handle = FakeEngineCore(), FakeFeedConnection(new_router())
         publisher = RouterPublisher("r1", FakeRouterClient(handle))
         add_prompt(core, "a", list(range(8)))
         await record(publisher, core)
@@ -141,7 +125,7 @@ def test_batches_are_numbered_and_mirrored_by_the_router():
 
 def test_what_accumulates_while_a_batch_is_in_flight_goes_as_the_next_batch():
     async def test():
-        core, handle = FakeEngineCore(), FakeRouterHandle(new_router())
+        core, handle = FakeEngineCore(), FakeFeedConnection(new_router())
         publisher = RouterPublisher("r1", FakeRouterClient(handle))
         add_prompt(core, "a", list(range(4)))
         await record(publisher, core)
@@ -168,7 +152,7 @@ def test_what_accumulates_while_a_batch_is_in_flight_goes_as_the_next_batch():
 
 def test_what_is_recorded_within_the_send_interval_goes_as_one_batch_once_it_has_passed():
     async def test():
-        core, handle = FakeEngineCore(), FakeRouterHandle(new_router())
+        core, handle = FakeEngineCore(), FakeFeedConnection(new_router())
         publisher = RouterPublisher("r1", FakeRouterClient(handle), send_interval_s=0.2)
         add_prompt(core, "a", list(range(4)))
         await record(publisher, core)
@@ -189,10 +173,10 @@ def test_what_is_recorded_within_the_send_interval_goes_as_one_batch_once_it_has
 
 
 def test_a_lost_batch_makes_the_next_batch_a_resync_with_its_finished_requests():
-    client = FakeRouterClient(FakeRouterHandle(new_router()))
+    client = FakeRouterClient(FakeFeedConnection(new_router()))
 
     async def test():
-        core, handle = FakeEngineCore(), client.handle
+        core, handle = FakeEngineCore(), client.connection
         publisher = RouterPublisher("r1", client)
         add_prompt(core, "a", list(range(8)))
         publisher.request_finished("a", 0)
@@ -217,7 +201,7 @@ def test_a_lost_batch_makes_the_next_batch_a_resync_with_its_finished_requests()
 
 def test_a_new_router_gets_a_resync_once():
     async def test():
-        core, handle = FakeEngineCore(), FakeRouterHandle(new_router())
+        core, handle = FakeEngineCore(), FakeFeedConnection(new_router())
         publisher = RouterPublisher("r1", FakeRouterClient(handle))
         add_prompt(core, "a", list(range(8)))
         await record(publisher, core)
@@ -235,7 +219,7 @@ def test_a_new_router_gets_a_resync_once():
 
 
 def test_an_unreachable_router_is_looked_up_once_per_retry_interval_then_resynced():
-    client = FakeRouterClient(FakeRouterHandle(new_router()), unreachable=2)
+    client = FakeRouterClient(FakeFeedConnection(new_router()), unreachable=2)
     sleep = FakeSleep()
 
     async def test():
@@ -248,7 +232,7 @@ def test_an_unreachable_router_is_looked_up_once_per_retry_interval_then_resynce
                 await record(publisher, core)
             lookups.append(client.lookups)
             await sleep.wake()  # the first time, the lookup fails again
-        await client.handle.deliver()
+        await client.connection.deliver()
         await publisher.close()
         return lookups
 
@@ -263,10 +247,10 @@ def test_an_unreachable_router_is_looked_up_once_per_retry_interval_then_resynce
         publisher_logger.removeHandler(handler)
     assert lookups == [1, 2]
     assert (client.lookups, sleep.delays) == (3, [5.0, 5.0])
-    assert client.handle.delivered == [("resync", 1)]
+    assert client.connection.delivered == [("resync", 1)]
     assert [record.getMessage().split(":")[0] for record in records] == [
         "replica r1 cannot reach the router actor", "replica r1 reached the router actor again"]
-    assert client.handle.actor.index.match(prompt_hashes(list(range(8)))) == {"r1": 2}
+    assert client.connection.actor.index.match(prompt_hashes(list(range(8)))) == {"r1": 2}
 
 
 async def step_two_requests(publisher: RouterPublisher, core: FakeEngineCore) -> AsyncEngine:
@@ -281,7 +265,7 @@ async def step_two_requests(publisher: RouterPublisher, core: FakeEngineCore) ->
 
 def test_the_engine_steps_on_while_the_router_has_not_answered():
     async def test():
-        core, handle = FakeEngineCore(), FakeRouterHandle(new_router())
+        core, handle = FakeEngineCore(), FakeFeedConnection(new_router())
         publisher = RouterPublisher("r1", FakeRouterClient(handle))
         engine = await step_two_requests(publisher, core)
         num_steps_unanswered = core.num_steps
@@ -299,7 +283,7 @@ def test_the_engine_steps_on_while_the_router_has_not_answered():
 
 def test_the_engine_steps_on_while_the_router_is_being_looked_up():
     async def test():
-        core, handle = FakeEngineCore(), FakeRouterHandle(new_router())
+        core, handle = FakeEngineCore(), FakeFeedConnection(new_router())
         client = FakeRouterClient(handle, gate=asyncio.Event())
         publisher = RouterPublisher("r1", client)
         engine = await step_two_requests(publisher, core)

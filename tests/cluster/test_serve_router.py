@@ -46,32 +46,16 @@ class FakeFeed:
         self.bookings: list[SharedBooking] = []
         self.removed: list[str] = []
 
-    @property
-    def follow(self):
-        return FakeMethod(self._follow)
-
-    @property
-    def remove_replica(self):
-        return FakeMethod(self.removed.append)
+    async def call(self, method: str, *args):
+        if method == "remove_replica":
+            return self.removed.append(*args)
+        return await self._follow(*args)
 
     async def _follow(self, follower, epoch, cursor, bookings, wait_s=0.0):
         if self.hang:
             await asyncio.Event().wait()
         self.bookings += bookings
         return self.owner.follow(follower, epoch, cursor, bookings)
-
-
-@dataclass
-class FakeMethod:
-    fn: object
-
-    def remote(self, *args, **kwargs):
-        result = self.fn(*args, **kwargs)
-        return result if asyncio.iscoroutine(result) else _resolved(result)
-
-
-async def _resolved(value):
-    return value
 
 
 @pytest.fixture(autouse=True)
