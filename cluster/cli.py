@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--publish-interval-s", type=float, default=0.01,
                          help="least seconds between an engine replica's reports to the router feed; a busy "
                               "engine's steps go out coalesced (default: %(default)s)")
+    cluster.add_argument("--router-choice-temperature-tokens", type=float,
+                         help="how far each router strays from the cheapest replica, in tokens of cost (0: never; "
+                              "default: 0 with one ingress replica, 16 with more)")
     cluster.add_argument("--routing-policy", choices=["prefix", "round_robin", "least_loaded"], default="prefix",
                          help="how requests are spread over the replicas (default: %(default)s)")
     cluster.add_argument("--max-waiting-requests", type=int, default=256,
@@ -123,6 +126,7 @@ def config_from_args(args: argparse.Namespace):
     return ClusterConfig(engine=engine, num_replicas=args.replicas, ingress_replicas=args.ingress_replicas,
                          autoscaling=autoscaling, routing=args.routing_policy,
                          router_sync_interval_s=args.router_sync_interval_s, publish_interval_s=args.publish_interval_s,
+                         router_choice_temperature_tokens=args.router_choice_temperature_tokens,
                          api_key=args.api_key or os.environ.get(API_KEY_ENV),
                          replica_num_cpus=args.replica_cpus, replica_num_gpus=args.replica_gpus,
                          placement_strategy=args.placement_strategy,

@@ -9,6 +9,10 @@ from replica.config import EngineConfig
 from router.policy import PolicyConfig
 
 API_KEY_ENV = "PREFIXSERVE_API_KEY"
+# Several ingress replicas' routers learn of each other's decisions only at their next sync: drawn with this
+# temperature, they spread a burst that all of them would send to the one cheapest replica
+# (benchmarks/results/routing-sim-routers.md, "Choice temperature").
+SEVERAL_ROUTERS_CHOICE_TEMPERATURE_TOKENS = 16.0
 
 
 class ClusterConfig(pydantic.BaseModel):
@@ -32,6 +36,9 @@ class ClusterConfig(pydantic.BaseModel):
     # The least time between two of an engine replica's reports (KV events, stats) to the router feed: each costs
     # both sides a fixed 0.1-0.2 ms of CPU (router/wire.py), so a busy engine's steps go out coalesced.
     publish_interval_s: float = pydantic.Field(0.01, gt=0)
+    # PolicyConfig.choice_temperature_tokens of every ingress replica's router; None: 0 with one ingress replica,
+    # SEVERAL_ROUTERS_CHOICE_TEMPERATURE_TOKENS with more.
+    router_choice_temperature_tokens: float | None = pydantic.Field(None, ge=0)
     # Requests an engine replica takes beyond its running set (max_num_seqs); more wait in the ingress.
     max_waiting_requests: int = pydantic.Field(256, ge=0)
     # Requests the ingress holds while no engine replica has room; more get 429 with Retry-After.
@@ -44,9 +51,13 @@ class ClusterConfig(pydantic.BaseModel):
     @property
     def routing_config(self) -> PolicyConfig:
         """The router's policy; what it assumes of the engines is read from their config, never restated."""
+        temperature = self.router_choice_temperature_tokens
+        if temperature is None:
+            temperature = SEVERAL_ROUTERS_CHOICE_TEMPERATURE_TOKENS if self.ingress_replicas > 1 else 0.0
         return PolicyConfig(policy=self.routing,
                             step_token_budget=self.engine.scheduler.max_num_batched_tokens,
-                            assume_routed_prefix_cached=self.engine.cache.enable_prefix_caching)
+                            assume_routed_prefix_cached=self.engine.cache.enable_prefix_caching,
+                            choice_temperature_tokens=temperature)
 
     def resolved_api_key(self) -> str | None:
         return self.api_key or os.environ.get(API_KEY_ENV) or None

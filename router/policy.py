@@ -7,6 +7,7 @@ to make room. The cheapest wins, so a cached prefix is worth exactly the prefill
 equal savings go to the less loaded replica. "round_robin" and "least_loaded" ignore the cache:
 they are the baselines prefix routing is measured against.
 """
+import math
 import random
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -62,6 +63,11 @@ class PolicyConfig(pydantic.BaseModel):
     sessions that came back, router/sessions.py). A replica hosting many
     conversations or agent programs looks idle between their turns; the new session would share its
     every turn with them."""
+    choice_temperature_tokens: float = pydantic.Field(0.0, ge=0)
+    """0: always the cheapest replica. Above 0, a replica whose cost is c tokens above the cheapest's is
+    chosen with weight exp(-c / this), as Dynamo's router temperature does: several routers (ingress
+    replicas) that see the same replicas but not each other's last decisions then spread a burst
+    instead of all sending it to the one cheapest replica (benchmarks/results/routing-sim-routers.md)."""
     session_ttl_s: float = pydantic.Field(30.0, gt=0)
     """How long a session parked between turns keeps counting on its replica."""
     booking_ttl_s: float = pydantic.Field(60.0, gt=0)
@@ -106,14 +112,22 @@ class Policy(Protocol):
 
 class PrefixPolicy:
     """Cheapest replica by the token cost model; ties go to fewer requests, then to the replica caching
-    fewer blocks (new prefixes spread out), then to the earlier candidate."""
+    fewer blocks (new prefixes spread out), then to the earlier candidate. With a choice temperature,
+    a draw that favours the cheapest (PolicyConfig.choice_temperature_tokens)."""
 
-    def __init__(self, config: PolicyConfig):
+    def __init__(self, config: PolicyConfig, rng: random.Random):
         self.config = config
+        self._rng = rng
 
     def choose(self, request: RequestShape, candidates: list[Candidate]) -> RoutingDecision:
-        best = min(candidates, key=lambda candidate: (self.cost(request, candidate), candidate.num_requests,
-                                                       candidate.num_cached_blocks))
+        temperature = self.config.choice_temperature_tokens
+        if temperature > 0:
+            costs = [self.cost(request, candidate) for candidate in candidates]
+            lowest = min(costs)
+            best = self._rng.choices(candidates, [math.exp((lowest - cost) / temperature) for cost in costs])[0]
+        else:
+            best = min(candidates, key=lambda candidate: (self.cost(request, candidate), candidate.num_requests,
+                                                           candidate.num_cached_blocks))
         if best.matched_blocks < max(candidate.matched_blocks for candidate in candidates):
             return _decide(best, "spill")  # a longer cached prefix was not worth its replica's load
         return _decide(best, "prefix_hit" if best.matched_blocks else "no_hit")
@@ -163,7 +177,7 @@ class LeastLoadedPolicy:
 def make_policy(config: PolicyConfig, rng: random.Random) -> Policy:
     match config.policy:
         case "prefix":
-            return PrefixPolicy(config)
+            return PrefixPolicy(config, rng)
         case "round_robin":
             return RoundRobinPolicy()
         case "least_loaded":

@@ -11,8 +11,8 @@ from router.policy import PolicyConfig
 SERVE_OPTIONS = {
     "-h", "--help", "--address", "--host", "--port", "--replicas", "--ingress-replicas", "--autoscale",
     "--placement-strategy", "--tensor-parallel-size", "--replica-cpus", "--replica-gpus", "--router-sync-interval-s",
-    "--publish-interval-s",
-    "--routing-policy", "--max-waiting-requests", "--max-queued-requests", "--max-request-body-bytes",
+    "--router-choice-temperature-tokens", "--publish-interval-s", "--routing-policy", "--max-waiting-requests",
+    "--max-queued-requests", "--max-request-body-bytes",
     "--max-migrations", "--api-key", "--model", "--served-model-name", "--dtype", "--device", "--enforce-eager",
     "--num-kv-blocks",
     "--kv-cache-gib", "--block-size", "--no-prefix-caching", "--max-num-seqs", "--max-num-batched-tokens",
@@ -68,6 +68,13 @@ def test_the_routers_assumptions_follow_the_engine_flags():
         step_token_budget=512, assume_routed_prefix_cached=False)
     assert parse("--routing-policy", "round_robin").routing_config == PolicyConfig(
         policy="round_robin", step_token_budget=8192, assume_routed_prefix_cached=True)
+
+
+def test_several_ingress_replicas_draw_their_choices_unless_told_otherwise():
+    temperature = [parse(*flags).routing_config.choice_temperature_tokens for flags in (
+        (), ("--ingress-replicas", "2"), ("--ingress-replicas", "2", "--router-choice-temperature-tokens", "0"),
+        ("--router-choice-temperature-tokens", "40"))]
+    assert temperature == [0.0, 16.0, 0.0, 40.0]
 
 
 def test_autoscaling_starts_at_the_replica_count_within_bounds():

@@ -53,6 +53,15 @@ def test_longer_prefix_wins_between_equal_loads():
     assert prefix_policy().choose(PROMPT, candidates) == RoutingDecision("b", 6, "prefix_hit")
 
 
+def test_a_choice_temperature_draws_replicas_by_exp_of_minus_their_extra_cost_over_it():
+    # b costs 64 * ln 3 = 70.3 tokens more than a (its requests): weights 1 and 1/3
+    policy = prefix_policy(choice_temperature_tokens=64, request_cost_tokens=70.3111 / 2)
+    candidates = [Candidate("a"), Candidate("b", num_requests=2)]
+    chosen = [policy.choose(PROMPT, candidates).replica_id for _ in range(4000)]
+    assert (chosen.count("a"), chosen.count("b")) == (2982, 1018)  # the seeded draw; 3000 and 1000 expected
+    assert prefix_policy(request_cost_tokens=70.3111 / 2).choose(PROMPT, candidates).replica_id == "a"  # off
+
+
 def test_queued_prefill_counts_in_tokens_not_requests():
     # one 100k-token prompt still prefilling weighs more than four short decodes
     prefilling = Candidate("a", num_requests=1, num_prefill_tokens_pending=100_000)
