@@ -119,9 +119,9 @@ class RouterClient:
 
     def reset(self) -> None:
         """A call failed: the actor may have died (with the process that created it). Connect again next time."""
-        if self._connecting is not None and self._connecting.done() and not self._connecting.exception():
-            self._connecting.result().close()
-        self._connecting = None
+        connecting, self._connecting = self._connecting, None
+        if connecting is not None and connecting.done() and not connecting.cancelled() and not connecting.exception():
+            connecting.result().close()
 
     async def _connect(self) -> FeedConnection:
         self._actor = actor = await asyncio.to_thread(get_or_create_router, *self._args)

@@ -3,10 +3,10 @@
 Engines report to the feed after nearly every step and every ingress follows it, so a call's fixed
 cost multiplies by engines x steps. A Ray actor call costs its caller about 1.2 ms of CPU and the
 actor about 1 ms (2 cores, Ray 2.60), whatever it carries; a frame on a connection held open costs
-about 0.1 ms on each side. So the router actor serves its feed on a port of its node: a caller
-learns the address and a token through one actor call, and its first frame must be that token.
-Each connection gets a thread of its own, so a long poll held on one never holds up another's
-reports, and one caller's calls run in the order it sent them.
+about 0.13-0.15 ms on each side (benchmarks/bench_feed_wire.py). So the router actor serves its feed
+on a port of its node: a caller learns the address and a token through one actor call, and its first
+frame must be that token. Each connection gets a thread of its own, so a long poll held on one never
+holds up another's reports, and one caller's calls run in the order it sent them.
 """
 import asyncio
 import hmac
@@ -19,6 +19,7 @@ from typing import Any
 
 _LENGTH = struct.Struct("!I")
 _TOKEN_BYTES = 16
+CONNECT_TIMEOUT_S = 10.0  # an address that does not answer (a node gone, a firewall) fails, and is looked up again
 
 
 class FeedError(RuntimeError):
@@ -90,7 +91,8 @@ class FeedConnection:
 
     @classmethod
     async def open(cls, address: tuple[str, int], token: bytes) -> "FeedConnection":
-        reader, writer = await asyncio.open_connection(*address)  # asyncio sets TCP_NODELAY
+        # asyncio sets TCP_NODELAY
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(*address), CONNECT_TIMEOUT_S)
         writer.write(_frame(token))
         return cls(reader, writer)
 
