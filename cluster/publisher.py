@@ -71,18 +71,18 @@ class RouterPublisher:
         while True:
             await self._recorded.wait()
             self._recorded.clear()
-            router = await self._find_router()
-            if router is None:
+            feed = await self._connect()
+            if feed is None:
                 await self._sleep(self._retry_interval_s)
                 continue
             sent_at = loop.time()
-            await self._send(router)
+            await self._send(feed)
             if (wait_s := sent_at + self._send_interval_s - loop.time()) > 0:
                 await asyncio.sleep(wait_s)
 
-    async def _find_router(self) -> "FeedConnection | None":
+    async def _connect(self) -> "FeedConnection | None":
         try:
-            router = await self._router.get()
+            feed = await self._router.get()
         except Exception as exc:
             if not self._router_unreachable:
                 logger.warning("replica %s cannot reach the router actor: %r; looking it up again every %ss",
@@ -93,9 +93,9 @@ class RouterPublisher:
         if self._router_unreachable:
             logger.warning("replica %s reached the router actor again", self.replica_id)
             self._router_unreachable = False
-        return router
+        return feed
 
-    async def _send(self, router: "FeedConnection") -> None:
+    async def _send(self, feed: "FeedConnection") -> None:
         finished, self._finished = self._finished, []
         self._seq += 1
         if self._resync_hashes is not None:
@@ -103,7 +103,7 @@ class RouterPublisher:
         else:
             method, payload, self._events = "publish", self._events, []
         try:
-            accepted = await router.call(method, self.replica_id, self._seq, payload, self._stats, finished)
+            accepted = await feed.call(method, self.replica_id, self._seq, payload, self._stats, finished)
         except Exception as exc:
             logger.warning("replica %s lost batch %d: %r", self.replica_id, self._seq, exc)
             self._router.reset()
