@@ -7,6 +7,7 @@ baselines' sources and defaults, and what is modelled.
     python benchmarks/sim_cluster.py                       # every workload, N = 4 8 16, load 0.9
     python benchmarks/sim_cluster.py --workloads agents --replicas 8 --policies prefix sglang
     python benchmarks/sim_cluster.py --policies prefix --routers 1 4 --bookings shared unshared  # K routers
+    python benchmarks/sim_cluster.py --policies prefix --routers 1 4 --cluster-choice-temperature --seeds 0 1 2
 """
 import argparse
 import json
@@ -17,6 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
+from cluster.config import ClusterConfig  # noqa: E402
 from router import PolicyConfig  # noqa: E402
 
 from benchmarks.sim.experiment import ClusterSpec, capacity, run  # noqa: E402
@@ -53,9 +55,13 @@ def parse_args() -> argparse.Namespace:
                         help="with several routers: how much later each learns of publications and bookings")
     parser.add_argument("--bookings", nargs="+", default=["shared"], choices=["shared", "unshared"],
                         help="with several routers: whether each router's bookings reach the others")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", "--seed", nargs="+", type=int, default=[0],
+                        help="several: the routers verdict is judged over them (each run against its seed's K = 1)")
     parser.add_argument("--policy-config", type=PolicyConfig.model_validate_json, default=PolicyConfig(),
                         help='PolicyConfig overrides as JSON, e.g. \'{"request_cost_tokens": 64}\'')
+    parser.add_argument("--cluster-choice-temperature", action="store_true",
+                        help="each router count draws at the choice temperature the cluster gives that many ingress "
+                             "replicas (ClusterConfig), whatever --policy-config says")
     parser.add_argument("--markdown", help="write the tables here too")
     parser.add_argument("--plot", help="save the plot here (needs matplotlib)")
     args = parser.parse_args()
@@ -63,6 +69,8 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"several routers need --policies among {', '.join(CORE_POLICIES)}")
     if 1 not in args.routers:
         parser.error("--routers needs 1 too: the table compares every router count with one router")
+    if len(args.seeds) > 1 and args.routers == [1]:
+        parser.error("several --seeds are for comparing router counts (--routers 1 K)")
     return args
 
 
@@ -72,10 +80,22 @@ def router_specs(args: argparse.Namespace, spec: ClusterSpec) -> list[ClusterSpe
             for num_routers in args.routers for bookings in (args.bookings if num_routers > 1 else args.bookings[:1])]
 
 
+def policy_config(args: argparse.Namespace, num_routers: int) -> PolicyConfig:
+    if not args.cluster_choice_temperature:
+        return args.policy_config
+    temperature = ClusterConfig(ingress_replicas=num_routers).routing_config.choice_temperature_tokens
+    return args.policy_config.model_copy(update={"choice_temperature_tokens": temperature})
+
+
 def _summary(run: RunMetrics) -> str:
-    return (f"{run.workload:>14} N={run.num_replicas:<3} {run.policy:>15} K={run.num_routers} {run.bookings:>8}  "
+    return (f"{run.workload:>14} N={run.num_replicas:<3} seed {run.seed} {run.policy:>15} K={run.num_routers} "
+            f"{run.bookings:>8}  "
             f"hit {run.hit_rate:6.1%}  TTFT p50 {run.ttft_p50:7.2f} p99 {run.ttft_p99:7.2f}  "
             f"load {run.load_max_over_mean:4.2f}  preempt {run.preemptions}")
+
+
+def _seeds(seeds: list[int]) -> str:
+    return f"seed {seeds[0]}" if len(seeds) == 1 else "seeds " + ", ".join(map(str, seeds))
 
 
 def main() -> None:
@@ -84,15 +104,17 @@ def main() -> None:
                        sync_delay_s=args.sync_delay_ms / 1000)
     step_model = StepModel.load(args.step_model)
     runs, capacities, started = [], {}, time.perf_counter()
-    for workload in args.workloads:
-        capacities[workload] = capacity(workload, step_model, spec, args.seed)
-        for num_replicas in args.replicas:
-            for routed in router_specs(args, spec):
-                results = run(workload, num_replicas, args.policies, args.load, args.requests_per_replica,
-                              capacities[workload], step_model, routed, args.seed, args.policy_config)
-                for result in results:
-                    print(_summary(result), flush=True)
-                runs += results
+    for seed in args.seeds:
+        for workload in args.workloads:
+            capacities[workload, seed] = capacity(workload, step_model, spec, seed)
+            for num_replicas in args.replicas:
+                for routed in router_specs(args, spec):
+                    results = run(workload, num_replicas, args.policies, args.load, args.requests_per_replica,
+                                  capacities[workload, seed], step_model, routed, seed,
+                                  policy_config(args, routed.num_routers))
+                    for result in results:
+                        print(_summary(result), flush=True)
+                    runs += results
     tables = [table(runs), "", *verdict(runs)] if args.routers == [1] else [
         f"Routers {args.routers}: turns dealt to them in turn; with several, each learns of publications and "
         f"(bookings {' / '.join(args.bookings)}) of the others' bookings {args.sync_delay_ms:g} ms later; "
@@ -104,9 +126,10 @@ def main() -> None:
         f" + d * their context tokens + e * prefill attention, tokens x (tokens before + tokens / 2) per chunk);"
         f" calibration: {_calibration()}.",
         f"Simulated on {cpu_name()} in {time.perf_counter() - started:.0f} s; {spec}; load {args.load}; "
-        f"{args.requests_per_replica} requests per replica; seed {args.seed}.",
-        "Capacity (requests/s per replica, saturated): " + ", ".join(
-            f"{name} {value:.3f}" for name, value in capacities.items()) + ".", "",
+        f"{args.requests_per_replica} requests per replica; {_seeds(args.seeds)}.",
+        "Capacity (requests/s per replica, saturated; one figure a seed): " + ", ".join(
+            f"{name} {' / '.join(f'{capacities[name, seed]:.3f}' for seed in args.seeds)}"
+            for name in args.workloads) + ".", "",
         *tables])
     print(text)
     if args.markdown:

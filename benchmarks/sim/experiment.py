@@ -71,5 +71,5 @@ def run(workload: str, num_replicas: int, policies: list[str], load: float, requ
             reference = pooled_lru(programs, records, num_replicas * spec.num_blocks, spec.block_size, step_model)
         preemptions = sum(replica.scheduler.num_preemptions for replica in replicas)
         results.append(measure(workload, num_replicas, policy, records, preemptions, reference,
-                               spec.num_routers, spec.shared_bookings))
+                               spec.num_routers, spec.shared_bookings, seed))
     return results

@@ -1,8 +1,14 @@
-"""The simulator's K routers (ClusterSpec.num_routers) on tiny workloads: exact routing decisions."""
+"""The simulator's K routers (ClusterSpec.num_routers) on tiny workloads: exact decisions; the verdict over seeds."""
+import argparse
+
 import pytest
+from cluster.config import SEVERAL_ROUTERS_CHOICE_TEMPERATURE_TOKENS
+from router import PolicyConfig
 
 from benchmarks.sim.experiment import ClusterSpec, simulate
+from benchmarks.sim.report import RunMetrics, routers_verdict
 from benchmarks.sim.workloads import Program, Turn, assign_starts, make_workload
+from benchmarks.sim_cluster import policy_config
 
 from .test_sim import STEP_MODEL
 
@@ -66,3 +72,25 @@ def test_a_burst_spreads_over_the_bookings_each_router_knows(num_routers, sync_d
 def test_publications_reach_every_router_the_sync_delay_later(sync_delay_s, replicas):
     spec = ClusterSpec(num_blocks=1024, num_routers=2, sync_delay_s=sync_delay_s, shared_bookings=False)
     assert routed(unrelated_prompts(2, apart_s=0.5), 2, spec)[0] == replicas
+
+
+def metrics(seed: int, num_routers: int, shared: bool, hit_rate: float, ttft_p50: float, ttft_p99: float) -> RunMetrics:
+    return RunMetrics("agents", 16, "prefix", 100, hit_rate, ttft_p50, 0.0, ttft_p99, 0.0, 0.0, 1.0, 0, 0.0, 0.0, 0.0,
+                      num_routers, shared, seed)
+
+
+def test_the_routers_verdict_over_seeds_takes_mean_points_and_geometric_mean_ratios():
+    runs = [metrics(seed, 1, True, 0.8, 1.0, 2.0) for seed in (0, 1)] + [
+        metrics(0, 4, True, 0.794, 1.21, 2.0), metrics(1, 4, True, 0.8, 0.9, 2.0),  # p50: 1.21x and 0.9x
+        metrics(0, 4, False, 0.8, 1.0, 2.3), metrics(1, 4, False, 0.8, 1.0, 2.16)]  # p99: 1.15x and 1.08x
+    assert routers_verdict(runs)[2:] == [
+        "| agents | 16 | prefix | shared | 0, 1 | -0.3 | 1.04x | 1.00x | yes | 1 of 2 |",
+        "| agents | 16 | prefix | unshared | 0, 1 | +0.0 | 1.00x | 1.11x | **no** | 1 of 2 |"]
+
+
+def test_with_the_cluster_choice_temperature_several_routers_draw_as_several_ingress_replicas():
+    args = argparse.Namespace(cluster_choice_temperature=True, policy_config=PolicyConfig(request_cost_tokens=64))
+    one, four = policy_config(args, 1), policy_config(args, 4)
+    assert (one.choice_temperature_tokens, four.choice_temperature_tokens) == (
+        0.0, SEVERAL_ROUTERS_CHOICE_TEMPERATURE_TOKENS)
+    assert one.request_cost_tokens == four.request_cost_tokens == 64
