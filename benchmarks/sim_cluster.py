@@ -53,6 +53,9 @@ def parse_args() -> argparse.Namespace:
                         help="how many routers (ingress replicas) route, each with its own view; 1: today's actor")
     parser.add_argument("--sync-delay-ms", type=float, default=1000 * ClusterSpec.sync_delay_s,
                         help="with several routers: how much later each learns of publications and bookings")
+    parser.add_argument("--booking-delay-ms", type=float,
+                        help="with shared bookings: how much later the others learn of a router's booking "
+                             "(default: --sync-delay-ms)")
     parser.add_argument("--bookings", nargs="+", default=["shared"], choices=["shared", "unshared"],
                         help="with several routers: whether each router's bookings reach the others")
     parser.add_argument("--seeds", "--seed", nargs="+", type=int, default=[0],
@@ -101,7 +104,8 @@ def _seeds(seeds: list[int]) -> str:
 def main() -> None:
     args = parse_args()
     spec = ClusterSpec(num_blocks=args.num_blocks, publish_lag_s=args.publish_lag,
-                       sync_delay_s=args.sync_delay_ms / 1000)
+                       sync_delay_s=args.sync_delay_ms / 1000,
+                       booking_delay_s=None if args.booking_delay_ms is None else args.booking_delay_ms / 1000)
     step_model = StepModel.load(args.step_model)
     runs, capacities, started = [], {}, time.perf_counter()
     for seed in args.seeds:
@@ -116,8 +120,9 @@ def main() -> None:
                         print(_summary(result), flush=True)
                     runs += results
     tables = [table(runs), "", *verdict(runs)] if args.routers == [1] else [
-        f"Routers {args.routers}: turns dealt to them in turn; with several, each learns of publications and "
-        f"(bookings {' / '.join(args.bookings)}) of the others' bookings {args.sync_delay_ms:g} ms later; "
+        f"Routers {args.routers}: turns dealt to them in turn; with several, each learns of publications "
+        f"{args.sync_delay_ms:g} ms later and (bookings {' / '.join(args.bookings)}) of the others' bookings "
+        f"{args.sync_delay_ms if args.booking_delay_ms is None else args.booking_delay_ms:g} ms later; "
         "a lone router is fed directly.", "", routers_table(runs), "", *routers_verdict(runs)]
     text = "\n".join([
         "# Cluster simulator (benchmarks/sim_cluster.py)", "",

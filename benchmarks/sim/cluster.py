@@ -8,7 +8,7 @@ K routers stand for K ingress replicas, each routing with its own view: turns ar
 in turn, as a load balancer in front of them would. A lone router is today's router actor, fed
 directly; with several, everything a router learns from elsewhere takes sync_delay_s more: every
 publication reaches each of them publish_lag_s + sync_delay_s after its step, and with shared
-bookings a router's booking reaches the others sync_delay_s after it routed.
+bookings a router's booking reaches the others booking_delay_s (by default sync_delay_s) after it routed.
 """
 import heapq
 import itertools
@@ -48,14 +48,14 @@ class SimClock:
 class Simulation:
     def __init__(self, programs: list[Program], replicas: list[SimReplica], routers: Sequence, block_size: int,
                  clock: SimClock, publish_lag_s: float = 0.01, sync_delay_s: float = 0.0,
-                 shared_bookings: bool = True):
+                 shared_bookings: bool = True, booking_delay_s: float | None = None):
         self.clock = clock
         self.programs = {program.session_id: program for program in programs}
         self.replicas = {replica.replica_id: replica for replica in replicas}
         self.routers = list(routers)
         self.block_size = block_size
         self.publication_lag_s = publish_lag_s + (sync_delay_s if len(self.routers) > 1 else 0.0)
-        self.sync_delay_s = sync_delay_s
+        self.booking_delay_s = sync_delay_s if booking_delay_s is None else booking_delay_s
         self.shared_bookings = shared_bookings
         self._next_router = itertools.cycle(self.routers)
         self.records: dict[str, RequestRecord] = {}
@@ -86,7 +86,7 @@ class Simulation:
         if self.shared_bookings:
             for other in self.routers:
                 if other is not router:
-                    self._at(self.now + self.sync_delay_s, other.book, request_id, block_hashes, replica_id,
+                    self._at(self.now + self.booking_delay_s, other.book, request_id, block_hashes, replica_id,
                              len(turn.prompt), program.session_id)
         self.records[request_id] = RequestRecord(request_id, program.session_id, replica_id, self.now,
                                                  len(turn.prompt))

@@ -24,6 +24,7 @@ class ClusterSpec:
     num_routers: int = 1         # ingress replicas routing with views of their own
     sync_delay_s: float = 0.02   # with several routers: the extra delay before a router learns anything
     shared_bookings: bool = True  # each router's bookings reach the others
+    booking_delay_s: float | None = None  # how much later they do; None: sync_delay_s
     pin_trace_dir: str | None = None  # each replica writes its pin records (replica.scheduler.trace) here
 
 
@@ -38,7 +39,7 @@ def simulate(programs: list[Program], num_replicas: int, policy: str, step_model
     routers = [make_router(policy, replica_ids, spec.block_size, clock, seed + k, config)
                for k in range(spec.num_routers)]
     simulation = Simulation(programs, replicas, routers, spec.block_size, clock, spec.publish_lag_s,
-                            spec.sync_delay_s, spec.shared_bookings)
+                            spec.sync_delay_s, spec.shared_bookings, spec.booking_delay_s)
     return simulation.run(), replicas
 
 

@@ -65,6 +65,15 @@ def test_a_burst_spreads_over_the_bookings_each_router_knows(num_routers, sync_d
     assert routed(unrelated_prompts(4, apart_s=0.001), 2, spec)[0] == replicas  # before any replica reports
 
 
+@pytest.mark.parametrize("booking_delay_s, replicas", [
+    (None, "0011"),  # as late as the publications: the other's booking comes after the burst
+    (0.0, "0101"),  # at once, though publications still take the sync delay
+])
+def test_bookings_may_reach_the_other_routers_sooner_than_publications(booking_delay_s, replicas):
+    spec = ClusterSpec(num_blocks=1024, num_routers=2, sync_delay_s=0.02, booking_delay_s=booking_delay_s)
+    assert routed(unrelated_prompts(4, apart_s=0.001), 2, spec)[0] == replicas
+
+
 @pytest.mark.parametrize("sync_delay_s, replicas", [
     (0.0, "01"),  # the second router knows r0 caches the first prompt: a new prefix goes where fewer are cached
     (1.0, "00"),  # it has heard nothing yet: both replicas look alike, the first wins the tie
