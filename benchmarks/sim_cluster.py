@@ -74,6 +74,8 @@ def parse_args() -> argparse.Namespace:
         parser.error("--routers needs 1 too: the table compares every router count with one router")
     if len(args.seeds) > 1 and args.routers == [1]:
         parser.error("several --seeds are for comparing router counts (--routers 1 K)")
+    if args.booking_delay_ms is None:
+        args.booking_delay_ms = args.sync_delay_ms
     return args
 
 
@@ -104,8 +106,7 @@ def _seeds(seeds: list[int]) -> str:
 def main() -> None:
     args = parse_args()
     spec = ClusterSpec(num_blocks=args.num_blocks, publish_lag_s=args.publish_lag,
-                       sync_delay_s=args.sync_delay_ms / 1000,
-                       booking_delay_s=None if args.booking_delay_ms is None else args.booking_delay_ms / 1000)
+                       sync_delay_s=args.sync_delay_ms / 1000, booking_delay_s=args.booking_delay_ms / 1000)
     step_model = StepModel.load(args.step_model)
     runs, capacities, started = [], {}, time.perf_counter()
     for seed in args.seeds:
@@ -122,7 +123,7 @@ def main() -> None:
     tables = [table(runs), "", *verdict(runs)] if args.routers == [1] else [
         f"Routers {args.routers}: turns dealt to them in turn; with several, each learns of publications "
         f"{args.sync_delay_ms:g} ms later and (bookings {' / '.join(args.bookings)}) of the others' bookings "
-        f"{args.sync_delay_ms if args.booking_delay_ms is None else args.booking_delay_ms:g} ms later; "
+        f"{args.booking_delay_ms:g} ms later; "
         "a lone router is fed directly.", "", routers_table(runs), "", *routers_verdict(runs)]
     text = "\n".join([
         "# Cluster simulator (benchmarks/sim_cluster.py)", "",
