@@ -105,7 +105,7 @@ class RouterClient:
         """create: whether this process creates the actor (and owns it) when there is none."""
         self._args = (app_name, config, block_size, create)
         self._connecting: asyncio.Future | None = None
-        self._actor: ActorHandle | None = None  # kept: an actor nobody holds a handle to is ended by Ray
+        self._actor: ActorHandle | None = None  # kept: Ray ends an actor once its creator drops this handle
 
     async def get(self) -> FeedConnection:
         if self._connecting is None:
@@ -124,6 +124,8 @@ class RouterClient:
             connecting.result().close()
 
     async def _connect(self) -> FeedConnection:
-        self._actor = actor = await asyncio.to_thread(get_or_create_router, *self._args)
+        actor = await asyncio.to_thread(get_or_create_router, *self._args)
+        if self._actor is None or self._actor._actor_id != actor._actor_id:
+            self._actor = actor  # a later lookup's handle to the same actor would not keep it alive
         address, token = await asyncio.wrap_future(actor.address.remote().future())
         return await FeedConnection.open(address, token)
