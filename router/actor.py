@@ -21,6 +21,7 @@ takes its new epoch.
 import asyncio
 import gc
 import threading
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -28,13 +29,13 @@ import ray
 import xxhash
 from ray.actor import ActorHandle
 
-from router.feed import FeedingRouter, FeedUpdate, SharedBooking
+from router.feed import Booked, Entry, FeedingRouter, FeedUpdate, SharedBooking
 from router.policy import PolicyConfig
 from router.wire import FeedConnection, FeedServer
 
 NAMESPACE = "prefixserve"
 Result = TypeVar("Result")
-FEED_METHODS = frozenset({"publish", "resync", "remove_replica", "follow"})
+FEED_METHODS = frozenset({"publish", "resync", "remove_replica", "follow", "share"})
 
 
 class RouterActor(FeedingRouter):
@@ -45,6 +46,7 @@ class RouterActor(FeedingRouter):
         # a full collection walks only what routing creates (the index itself holds no containers).
         gc.freeze()
         self._server: FeedServer | None = None
+        self._answered: dict[str, float] = {}  # follower -> when its last sync was answered
 
     def address(self) -> tuple[tuple[str, int], bytes]:
         """Where the feed is served, on this actor's node, and the token a connection starts with."""
@@ -61,15 +63,28 @@ class RouterActor(FeedingRouter):
     def remove_replica(self, replica_id: str) -> None:
         self._recording(super().remove_replica, replica_id)
 
+    def share(self, follower: str, bookings: list[SharedBooking]) -> None:
+        """Bookings as a follower makes them: the others' held syncs return with them at once."""
+        self._recording(super().share, follower, bookings)
+
     def follow(self, follower: str, epoch: str | None, cursor: int, bookings: list[SharedBooking],
-               wait_s: float = 0.0) -> FeedUpdate:
-        """FeedingRouter.follow; with nothing new for the follower, held until there is or wait_s passes."""
+               wait_s: float = 0.0, report_interval_s: float = 0.0) -> FeedUpdate:
+        """FeedingRouter.follow, held up to wait_s while there is nothing new for the follower. Another
+        follower's booking is answered at once; engines' reports no sooner than report_interval_s after the
+        follower's last answer, so a busy feed costs each follower one answer an interval."""
         with self._news:
             update = self._recording(super().follow, follower, epoch, cursor, bookings)
-            if update.entries or update.states is not None or wait_s <= 0:
-                return update
-            self._news.wait_for(lambda: self.feed.cursor != update.cursor, timeout=wait_s)
-            return super().follow(follower, update.epoch, update.cursor, [])
+            since = cursor if update.entries else update.cursor  # held reports are answered with what follows
+            deadline, reports_due = time.monotonic() + wait_s, self._answered.get(follower, 0.0) + report_interval_s
+            while update.states is None:
+                news = [entry for entry in update.entries if not _own_booking(entry, follower)]
+                now = time.monotonic()
+                if any(isinstance(entry, Booked) for entry in news) or (news and now >= reports_due) or now >= deadline:
+                    break
+                self._news.wait(timeout=(min(reports_due, deadline) if news else deadline) - now)
+                update = super().follow(follower, update.epoch, since, [])
+            self._answered[follower] = time.monotonic()
+            return update
 
     def _recording(self, call: Callable[..., Result], *args) -> Result:
         """call(*args) under the lock, then wakes the held syncs to whatever it recorded."""
@@ -77,6 +92,10 @@ class RouterActor(FeedingRouter):
             result = call(*args)
             self._news.notify_all()
             return result
+
+
+def _own_booking(entry: Entry, follower: str) -> bool:
+    return isinstance(entry, Booked) and entry.follower == follower
 
 
 def router_actor_name(app_name: str, config: PolicyConfig, block_size: int) -> str:
@@ -98,30 +117,32 @@ def get_or_create_router(app_name: str, config: PolicyConfig, block_size: int, c
 
 
 class RouterClient:
-    """A connection to the app's RouterActor's feed, opened (the actor found, or created) on first use and
-    again after reset()."""
+    """Connections to the app's RouterActor's feed, one a channel, each opened (the actor found, or created)
+    on first use and again after reset(). A held call on one channel holds up none on another."""
 
     def __init__(self, app_name: str, config: PolicyConfig, block_size: int, create: bool = True):
         """create: whether this process creates the actor (and owns it) when there is none."""
         self._args = (app_name, config, block_size, create)
-        self._connecting: asyncio.Future | None = None
+        self._connecting: dict[str, asyncio.Future] = {}
         self._actor: ActorHandle | None = None  # kept: Ray ends an actor once its creator drops this handle
 
-    async def get(self) -> FeedConnection:
-        if self._connecting is None:
-            self._connecting = asyncio.ensure_future(self._connect())
+    async def get(self, channel: str = "feed") -> FeedConnection:
+        connecting = self._connecting.get(channel)
+        if connecting is None:
+            connecting = self._connecting[channel] = asyncio.ensure_future(self._connect())
         try:
-            return await asyncio.shield(self._connecting)  # a caller timing out leaves the lookup running
+            return await asyncio.shield(connecting)  # a caller timing out leaves the lookup running
         except Exception:
-            if self._connecting.done():
-                self._connecting = None
+            if connecting.done() and self._connecting.get(channel) is connecting:
+                del self._connecting[channel]
             raise
 
     def reset(self) -> None:
         """A call failed: the actor may have died (with the process that created it). Connect again next time."""
-        connecting, self._connecting = self._connecting, None
-        if connecting is not None and connecting.done() and not connecting.cancelled() and not connecting.exception():
-            connecting.result().close()
+        connecting, self._connecting = self._connecting, {}
+        for future in connecting.values():
+            if future.done() and not future.cancelled() and not future.exception():
+                future.result().close()
 
     async def _connect(self) -> FeedConnection:
         actor = await asyncio.to_thread(get_or_create_router, *self._args)

@@ -119,9 +119,13 @@ class FeedingRouter(Router):
         """A follower's sync: answer what it has not seen, then record the bookings it made since its last one
         (the cursor it gets is past them: it has them already)."""
         update = self.feed.since(epoch, cursor, self)
+        FeedingRouter.share(self, follower, bookings)
+        return FeedUpdate(update.epoch, self.feed.cursor, update.entries, update.states)
+
+    def share(self, follower: str, bookings: list[SharedBooking]) -> None:
+        """Record bookings a follower made, for the others to replay."""
         for booking in bookings:
             self.feed.record(Booked(follower, booking))
-        return FeedUpdate(update.epoch, self.feed.cursor, update.entries, update.states)
 
 
 def replay(router: Router, update: FeedUpdate, follower: str) -> None:

@@ -1,12 +1,13 @@
 """FollowingRouter: an ingress process's own Router, kept current from the router actor's feed.
 
-Requests are routed on it in this process, with no call to another one. A background task syncs it:
-each sync sends the bookings made here since the last one and replays what the engines reported
-meanwhile (router/feed.py). With nothing new, the router actor holds a sync until there is (a long
-poll of up to LONG_POLL_S), so an idle ingress makes about one call a second; a sync follows the
-last one's answer no sooner than the interval, so a busy feed is read at most once per interval.
-While the actor is slow or gone, routing goes on with the last view, and this process's own bookings
-keep counting.
+Requests are routed on it in this process, with no call to another one. Each booking made here goes to
+the feed as it is made, on a connection of its own, and the router actor answers the other ingresses'
+held syncs with it at once: K ingresses that do not know of each other's last requests pile bursts
+onto one replica (benchmarks/results/routing-sim-routers.md). A background task syncs the rest: it
+replays what the engines reported (router/feed.py), which the actor answers no sooner than the interval
+after the last answer, and with nothing new it holds a sync until there is (a long poll of up to
+LONG_POLL_S), so an idle ingress makes about one call a second. While the actor is slow or gone,
+routing goes on with the last view, and this process's own bookings keep counting.
 """
 import asyncio
 import logging
@@ -37,6 +38,7 @@ class FollowingRouter:
         self._outbox: list[SharedBooking] = []
         self._removed: list[str] = []
         self._feed_ok = True
+        self._sharing = False  # a task is sending the outbox
         self._loop: asyncio.AbstractEventLoop | None = None
         self._syncing = asyncio.Lock()  # one sync at a time: each replays from the cursor the last one left
 
@@ -55,15 +57,14 @@ class FollowingRouter:
                num_prompt_tokens: int, session_id: str | None) -> RoutingDecision:
         decision = self.router.choose(request_id, block_hashes, candidates, num_prompt_tokens=num_prompt_tokens,
                                       session_id=session_id)
-        self._outbox.append(SharedBooking(request_id, decision.replica_id, block_hashes, num_prompt_tokens,
-                                          session_id))
+        self._share(SharedBooking(request_id, decision.replica_id, block_hashes, num_prompt_tokens, session_id))
         return decision
 
     def routed(self, request_id: str, replica_id: str, block_hashes: Sequence[BlockHash], *,
                num_prompt_tokens: int, session_id: str | None) -> None:
         """Serve sent the request elsewhere than chosen: its booking moves, here and for the others."""
         self.router.routed(request_id, replica_id)
-        self._outbox.append(SharedBooking(request_id, replica_id, block_hashes, num_prompt_tokens, session_id))
+        self._share(SharedBooking(request_id, replica_id, block_hashes, num_prompt_tokens, session_id))
 
     def remove_replica(self, replica_id: str) -> None:
         self.router.remove_replica(replica_id)
@@ -75,33 +76,57 @@ class FollowingRouter:
             return self.router.snapshot()
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(take(), self._loop))
 
-    async def sync(self, wait_s: float = 0.0) -> None:
-        """wait_s: how long the router actor may hold the sync while it has nothing new for this process."""
+    async def sync(self, wait_s: float = 0.0) -> bool:
+        """wait_s: how long the router actor may hold the sync while it has nothing new for this process.
+        False if the feed could not be reached."""
         async with self._syncing:
-            await self._sync(wait_s)
+            return await self._sync(wait_s)
 
-    async def _sync(self, wait_s: float) -> None:
-        bookings, self._outbox = self._outbox, []
+    async def _sync(self, wait_s: float) -> bool:
+        # once started, bookings go as they are made (_push); before, with the sync
+        bookings, self._outbox = ([], self._outbox) if self.started else (self._outbox, [])
         removed, self._removed = self._removed, []
         try:
             feed = await self._feed.get()
             for replica_id in removed:
                 await feed.call("remove_replica", replica_id)
-            update: FeedUpdate = await feed.call("follow", self.name, self._epoch, self._cursor, bookings, wait_s)
+            update: FeedUpdate = await feed.call("follow", self.name, self._epoch, self._cursor, bookings, wait_s,
+                                                 self._interval_s)
         except Exception as exc:  # the bookings are lost to the others; the replicas' reports will cover them
             self._warn_once(exc)
             self._removed = removed + self._removed
-            return
+            return False
         if not self._feed_ok:
             logger.info("router feed reached again: %s follows it", self.name)
             self._feed_ok = True
         replay(self.router, update, self.name)
         self._epoch, self._cursor = update.epoch, update.cursor
+        return True
 
     async def _run(self) -> None:
-        while True:
-            await self.sync(LONG_POLL_S)
-            await asyncio.sleep(self._interval_s)
+        while True:  # the router actor paces the syncs that reach it; one that fails waits an interval
+            if not await self.sync(LONG_POLL_S):
+                await asyncio.sleep(self._interval_s)
+
+    def _share(self, booking: SharedBooking) -> None:
+        self._outbox.append(booking)
+        if self.started and not self._sharing:
+            self._sharing = True
+            self._loop.create_task(self._push())
+
+    async def _push(self) -> None:
+        """Sends the outbox as it fills, a call at a time, on a connection whose calls are never held."""
+        try:
+            while self._outbox:
+                bookings, self._outbox = self._outbox, []
+                try:
+                    feed = await self._feed.get("bookings")
+                    await feed.call("share", self.name, bookings)
+                except Exception as exc:  # lost to the others; the replicas' reports will cover them
+                    self._warn_once(exc)
+                    return
+        finally:
+            self._sharing = False
 
     def _warn_once(self, exc: Exception) -> None:
         self._feed.reset()

@@ -171,7 +171,7 @@ class FakeRouterClient:
         self.lookups = 0
         self.resets = 0
 
-    async def get(self):
+    async def get(self, channel: str = "feed"):
         self.lookups += 1
         if self.gate is not None:
             await self.gate.wait()

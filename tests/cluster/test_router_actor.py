@@ -1,10 +1,11 @@
-"""RouterActor's long poll, without Ray: a follower with nothing new to read is held until a report lands."""
+"""RouterActor's long poll, without Ray: a follower with nothing new to read is held until a report lands,
+or another follower's booking."""
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 from replica.scheduler import SchedulerStats
 from router.actor import RouterActor
-from router.feed import SharedBooking
+from router.feed import Booked, Publish, SharedBooking
 from router.policy import PolicyConfig
 
 STATS = SchedulerStats(num_running=0, num_waiting=0, kv_usage=0.0, num_preemptions=0, prefix_cache_queries=0,
@@ -51,3 +52,31 @@ def test_a_booking_wakes_the_other_followers_but_not_the_one_that_shared_it():
         own = router.follow("first", router.feed.epoch, cursors["first"], [BOOKING], wait_s=0.05)
         assert (own.entries, own.cursor) == ([], 1)
         assert [entry.booking for entry in other.result(timeout=1).entries] == [BOOKING]
+
+
+def test_a_booking_is_answered_at_once_and_reports_only_after_the_interval():
+    router = RouterActor(PolicyConfig(), 16)
+    cursors = {name: joined(router, name) for name in ("first", "second")}
+    with ThreadPoolExecutor(1) as threads:
+        held = threads.submit(router.follow, "second", router.feed.epoch, cursors["second"], [], wait_s=10,
+                              report_interval_s=10)
+        router.publish("a", 1, [], STATS, [])
+        time.sleep(0.05)
+        assert not held.done()  # a report, within the interval
+        started = time.monotonic()
+        router.share("first", [BOOKING])
+        update = held.result(timeout=1)
+    assert [type(entry) for entry in update.entries] == [Publish, Booked]
+    assert time.monotonic() - started < 0.5
+
+
+def test_a_followers_own_shared_booking_does_not_end_its_hold():
+    router = RouterActor(PolicyConfig(), 16)
+    cursor = joined(router, "first")
+    with ThreadPoolExecutor(1) as threads:
+        held = threads.submit(router.follow, "first", router.feed.epoch, cursor, [], wait_s=0.2)
+        time.sleep(0.05)
+        router.share("first", [BOOKING])
+        time.sleep(0.05)
+        assert not held.done()
+        assert [entry.booking for entry in held.result(timeout=1).entries] == [BOOKING]

@@ -1,5 +1,6 @@
 """RouterClient on a real Ray cluster: the process that creates the router actor keeps it alive when it
-looks it up again after a reset (Ray ends an actor once its creator drops its first handle)."""
+looks it up again, for a second channel or after a reset (Ray ends an actor once its creator drops its
+first handle)."""
 import asyncio
 import gc
 
@@ -24,12 +25,13 @@ def the_actor():
     return ray.get_actor(router_actor_name("client-test", PolicyConfig(), 16), namespace=NAMESPACE)
 
 
-def test_the_creator_keeps_the_router_actor_through_a_reset(local_ray):
+def test_the_creator_keeps_the_router_actor_through_other_channels_and_a_reset(local_ray):
     client = RouterClient("client-test", PolicyConfig(), 16)
 
     async def test():
         first = await client.get()
         actor_id = the_actor()._actor_id
+        await client.get("bookings")
         client.reset()
         again = await client.get()
         gc.collect()

@@ -38,24 +38,37 @@ class FakePendingRequest:
 
 
 class FakeFeed:
-    """The router actor's feed side: a FeedingRouter whose follow() can be made to hang."""
+    """The router actor's feed side: a FeedingRouter whose calls can be made to hang. A held sync is
+    answered after a short while, whatever happened meanwhile."""
 
-    def __init__(self, hang: bool = False):
+    def __init__(self, hang: bool = False, hold: bool = False):
+        """hold: a held sync never ends (the engines say nothing)."""
         self.owner = FeedingRouter(block_size=4)
         self.hang = hang
+        self.hold = hold
         self.bookings: list[SharedBooking] = []
         self.removed: list[str] = []
 
     async def call(self, method: str, *args):
-        if method == "remove_replica":
-            return self.removed.append(*args)
-        return await self._follow(*args)
-
-    async def _follow(self, follower, epoch, cursor, bookings, wait_s=0.0):
         if self.hang:
             await asyncio.Event().wait()
+        if method == "remove_replica":
+            return self.removed.append(*args)
+        if method == "share":
+            return self._share(*args)
+        return await self._follow(*args)
+
+    def _share(self, follower, bookings):
         self.bookings += bookings
-        return self.owner.follow(follower, epoch, cursor, bookings)
+        self.owner.share(follower, bookings)
+
+    async def _follow(self, follower, epoch, cursor, bookings, wait_s=0.0, report_interval_s=0.0):
+        if self.hold and wait_s > 0:
+            await asyncio.Event().wait()
+        await asyncio.sleep(min(wait_s, 0.01))
+        self._share(follower, bookings)
+        update = self.owner.follow(follower, epoch, cursor, [])
+        return update
 
 
 @pytest.fixture(autouse=True)
@@ -105,6 +118,17 @@ def test_the_replica_the_feed_says_caches_the_prefix_comes_first_and_the_booking
 
     assert ids(run(test, feed)) == [["b"], ["a", "c"]]
     assert feed.bookings == [SharedBooking("req-1", "b", chain(1, 2), 8, "chat-1")]
+
+
+def test_a_booking_reaches_the_feed_while_the_sync_is_held():
+    feed = FakeFeed(hold=True)
+
+    async def test(router, replicas):
+        await router.choose_replicas(replicas, FakePendingRequest([REQUEST]))
+        await asyncio.sleep(0.05)
+
+    run(test, feed)
+    assert feed.bookings == [SharedBooking("req-1", "a", REQUEST.block_hashes, 4, "chat-1")]
 
 
 def test_a_request_serve_sends_to_its_second_tier_moves_its_booking_here_and_for_the_others():
