@@ -46,7 +46,6 @@ class RouterActor(FeedingRouter):
         # a full collection walks only what routing creates (the index itself holds no containers).
         gc.freeze()
         self._server: FeedServer | None = None
-        self._answered: dict[str, float] = {}  # follower -> when its last sync was answered
 
     def address(self) -> tuple[tuple[str, int], bytes]:
         """Where the feed is served, on this actor's node, and the token a connection starts with."""
@@ -68,22 +67,22 @@ class RouterActor(FeedingRouter):
         self._recording(super().share, follower, bookings)
 
     def follow(self, follower: str, epoch: str | None, cursor: int, bookings: list[SharedBooking],
-               wait_s: float = 0.0, report_interval_s: float = 0.0) -> FeedUpdate:
+               wait_s: float = 0.0, reports_in_s: float = 0.0) -> FeedUpdate:
         """FeedingRouter.follow, held up to wait_s while there is nothing new for the follower. Another
-        follower's booking is answered at once; engines' reports no sooner than report_interval_s after the
-        follower's last answer, so a busy feed costs each follower one answer an interval."""
+        follower's booking is answered at once; engines' reports no sooner than reports_in_s from now (the
+        follower's interval, counted from its last answer), so a busy feed costs a follower one answer an
+        interval."""
         with self._news:
             update = self._recording(super().follow, follower, epoch, cursor, bookings)
             since = cursor if update.entries else update.cursor  # held reports are answered with what follows
-            deadline, reports_due = time.monotonic() + wait_s, self._answered.get(follower, 0.0) + report_interval_s
+            now = time.monotonic()
+            deadline, reports_due = now + wait_s, now + reports_in_s
             while update.states is None:
                 news = [entry for entry in update.entries if not _own_booking(entry, follower)]
-                now = time.monotonic()
                 if any(isinstance(entry, Booked) for entry in news) or (news and now >= reports_due) or now >= deadline:
-                    break
+                    return update
                 self._news.wait(timeout=(min(reports_due, deadline) if news else deadline) - now)
-                update = super().follow(follower, update.epoch, since, [])
-            self._answered[follower] = time.monotonic()
+                update, now = super().follow(follower, update.epoch, since, []), time.monotonic()
             return update
 
     def _recording(self, call: Callable[..., Result], *args) -> Result:

@@ -11,6 +11,7 @@ routing goes on with the last view, and this process's own bookings keep countin
 """
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import Sequence
 
@@ -35,6 +36,7 @@ class FollowingRouter:
         self._interval_s = interval_s
         self._epoch: str | None = None
         self._cursor = 0
+        self._answered_at = 0.0  # time.monotonic() of the last sync's answer
         self._outbox: list[SharedBooking] = []
         self._removed: list[str] = []
         self._feed_ok = True
@@ -90,8 +92,9 @@ class FollowingRouter:
             feed = await self._feed.get()
             for replica_id in removed:
                 await feed.call("remove_replica", replica_id)
+            reports_in_s = max(0.0, self._answered_at + self._interval_s - time.monotonic())
             update: FeedUpdate = await feed.call("follow", self.name, self._epoch, self._cursor, bookings, wait_s,
-                                                 self._interval_s)
+                                                 reports_in_s)
         except Exception as exc:  # the bookings are lost to the others; the replicas' reports will cover them
             self._warn_once(exc)
             self._removed = removed + self._removed
@@ -100,7 +103,7 @@ class FollowingRouter:
             logger.info("router feed reached again: %s follows it", self.name)
             self._feed_ok = True
         replay(self.router, update, self.name)
-        self._epoch, self._cursor = update.epoch, update.cursor
+        self._epoch, self._cursor, self._answered_at = update.epoch, update.cursor, time.monotonic()
         return True
 
     async def _run(self) -> None:

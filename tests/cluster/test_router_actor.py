@@ -59,7 +59,7 @@ def test_a_booking_is_answered_at_once_and_reports_only_after_the_interval():
     cursors = {name: joined(router, name) for name in ("first", "second")}
     with ThreadPoolExecutor(1) as threads:
         held = threads.submit(router.follow, "second", router.feed.epoch, cursors["second"], [], wait_s=10,
-                              report_interval_s=10)
+                              reports_in_s=10)
         router.publish("a", 1, [], STATS, [])
         time.sleep(0.05)
         assert not held.done()  # a report, within the interval

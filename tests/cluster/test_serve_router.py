@@ -48,6 +48,7 @@ class FakeFeed:
         self.hold = hold
         self.bookings: list[SharedBooking] = []
         self.removed: list[str] = []
+        self.reports_in_s: list[float] = []  # each sync's
 
     async def call(self, method: str, *args):
         if self.hang:
@@ -62,7 +63,8 @@ class FakeFeed:
         self.bookings += bookings
         self.owner.share(follower, bookings)
 
-    async def _follow(self, follower, epoch, cursor, bookings, wait_s=0.0, report_interval_s=0.0):
+    async def _follow(self, follower, epoch, cursor, bookings, wait_s=0.0, reports_in_s=0.0):
+        self.reports_in_s.append(reports_in_s)
         if self.hold and wait_s > 0:
             await asyncio.Event().wait()
         await asyncio.sleep(min(wait_s, 0.01))
@@ -129,6 +131,17 @@ def test_a_booking_reaches_the_feed_while_the_sync_is_held():
 
     run(test, feed)
     assert feed.bookings == [SharedBooking("req-1", "a", REQUEST.block_hashes, 4, "chat-1")]
+
+
+def test_a_sync_asks_for_engine_reports_no_sooner_than_the_interval_after_the_last_answer():
+    feed = FakeFeed()
+
+    async def test(router, replicas):
+        await synced(router)
+        await synced(router)
+
+    run(test, feed)  # an interval of an hour
+    assert feed.reports_in_s[0] == 0.0 and 3599 < feed.reports_in_s[1] <= 3600, feed.reports_in_s
 
 
 def test_a_request_serve_sends_to_its_second_tier_moves_its_booking_here_and_for_the_others():
