@@ -41,7 +41,9 @@ FEED_METHODS = frozenset({"publish", "resync", "remove_replica", "follow", "shar
 class RouterActor(FeedingRouter):
     def __init__(self, config: PolicyConfig, block_size: int, **kwargs):
         super().__init__(config, block_size, **kwargs)
-        self._news = threading.Condition()  # held while the router or its feed is read or changed
+        lock = threading.RLock()  # held while the router or its feed is read or changed
+        self._news = threading.Condition(lock)  # anything recorded
+        self._shared = threading.Condition(lock)  # bookings recorded
         # Everything imported so far lives as long as the actor: keep the collector off it, so that
         # a full collection walks only what routing creates (the index itself holds no containers).
         gc.freeze()
@@ -64,7 +66,9 @@ class RouterActor(FeedingRouter):
 
     def share(self, follower: str, bookings: list[SharedBooking]) -> None:
         """Bookings as a follower makes them: the others' held syncs return with them at once."""
-        self._recording(super().share, follower, bookings)
+        with self._news:
+            self._recording(super().share, follower, bookings)
+            self._shared.notify_all()
 
     def follow(self, follower: str, epoch: str | None, cursor: int, bookings: list[SharedBooking],
                wait_s: float = 0.0, reports_in_s: float = 0.0) -> FeedUpdate:
@@ -81,8 +85,11 @@ class RouterActor(FeedingRouter):
                 news = [entry for entry in update.entries if not _own_booking(entry, follower)]
                 if any(isinstance(entry, Booked) for entry in news) or (news and now >= reports_due) or now >= deadline:
                     return update
-                self._news.wait(timeout=(min(reports_due, deadline) if news else deadline) - now)
-                update, now = super().follow(follower, update.epoch, since, []), time.monotonic()
+                if news:  # reports, not due yet: only a booking ends the wait sooner
+                    self._shared.wait(timeout=min(reports_due, deadline) - now)
+                else:
+                    self._news.wait(timeout=deadline - now)
+                update, now = self.feed.since(update.epoch, since, self), time.monotonic()
             return update
 
     def _recording(self, call: Callable[..., Result], *args) -> Result:

@@ -119,7 +119,8 @@ class FeedingRouter(Router):
         """A follower's sync: answer what it has not seen, then record the bookings it made since its last one
         (the cursor it gets is past them: it has them already)."""
         update = self.feed.since(epoch, cursor, self)
-        FeedingRouter.share(self, follower, bookings)
+        if bookings:
+            self.share(follower, bookings)
         return FeedUpdate(update.epoch, self.feed.cursor, update.entries, update.states)
 
     def share(self, follower: str, bookings: list[SharedBooking]) -> None:

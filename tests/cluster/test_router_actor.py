@@ -1,5 +1,6 @@
 """RouterActor's long poll, without Ray: a follower with nothing new to read is held until a report lands,
 or another follower's booking."""
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -80,3 +81,24 @@ def test_a_followers_own_shared_booking_does_not_end_its_hold():
         time.sleep(0.05)
         assert not held.done()
         assert [entry.booking for entry in held.result(timeout=1).entries] == [BOOKING]
+
+
+def test_reports_within_the_interval_and_other_syncs_do_not_wake_a_held_sync():
+    router = RouterActor(PolicyConfig(), 16)
+    cursors = {name: joined(router, name) for name in ("first", "second", "third")}
+    held_reads, since = [], router.feed.since
+    router.feed.since = lambda *args: (threading.current_thread() is not threading.main_thread()
+                                       and held_reads.append(args)) or since(*args)
+    router.publish("a", 1, [], STATS, [])
+    with ThreadPoolExecutor(2) as threads:
+        held = [threads.submit(router.follow, name, router.feed.epoch, cursors[name], [], wait_s=10, reports_in_s=10)
+                for name in ("second", "third")]
+        time.sleep(0.05)
+        for seq in range(2, 22):
+            router.publish("a", seq, [], STATS, [])
+            router.follow("first", router.feed.epoch, cursors["first"] + seq - 1, [])
+            time.sleep(0.005)
+        router.share("first", [BOOKING])
+        updates = [sync.result(timeout=1) for sync in held]
+    # each held sync reads the feed twice: with a report not yet due, then once the booking lands
+    assert (len(held_reads), [len(update.entries) for update in updates]) == (4, [22, 22])
