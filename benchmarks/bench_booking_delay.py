@@ -4,7 +4,7 @@
 follow one RouterActor on a local Ray cluster on 127.0.0.1, while an actor reports --engines engines' steps,
 --steps-per-s each, to its feed. The first follower routes --rate requests a second (Poisson arrivals,
 --seed); for each booking the delay until every other follower's Router holds it is printed as p50, p99
-and max, beside the sync interval.
+and max, beside the sync interval, with the router actor's CPU (all its threads, in cores) meanwhile.
 
     python benchmarks/bench_booking_delay.py [--followers 2] [--engines 16] [--steps-per-s 50] [--rate 100]
 """
@@ -22,7 +22,7 @@ import ray  # noqa: E402
 
 from cluster.local_ray import init_local_ray  # noqa: E402
 from replica.scheduler import SchedulerStats  # noqa: E402
-from router.actor import RouterClient  # noqa: E402
+from router.actor import NAMESPACE, RouterClient, router_actor_name  # noqa: E402
 from router.core import Router  # noqa: E402
 from router.follower import FollowingRouter  # noqa: E402
 from router.policy import PolicyConfig  # noqa: E402
@@ -80,6 +80,7 @@ async def route(args, engines_done: "ray.ObjectRef") -> list[float]:
     while any(len(follower.router.snapshot().replicas) < args.engines for follower in followers):
         await asyncio.sleep(0.1)  # every engine is reporting, to every follower
     rng, candidates, routed_at = random.Random(args.seed), [f"engine-{i}" for i in range(args.engines)], {}
+    cpu_before, started = await actor_cpu_time(), time.perf_counter()
     for n in range(args.requests):
         request_id = f"request-{n}"
         hashes = [rng.getrandbits(63) for _ in range(4)]
@@ -87,8 +88,15 @@ async def route(args, engines_done: "ray.ObjectRef") -> list[float]:
         followers[0].choose(request_id, hashes, candidates, num_prompt_tokens=64, session_id=None)
         await asyncio.sleep(rng.expovariate(args.rate))
     await asyncio.sleep(1.0)
+    actor_cores = (await actor_cpu_time() - cpu_before) / (time.perf_counter() - started)
     await asyncio.wrap_future(engines_done.future())
-    return [max(f.router.booked_at[request_id] for f in followers[1:]) - at for request_id, at in routed_at.items()]
+    delays = [max(f.router.booked_at[request_id] for f in followers[1:]) - at for request_id, at in routed_at.items()]
+    return delays, actor_cores
+
+
+async def actor_cpu_time() -> float:
+    actor = ray.get_actor(router_actor_name(APP, POLICY, BLOCK_SIZE), namespace=NAMESPACE)
+    return await asyncio.wrap_future(actor.__ray_call__.remote(lambda _: time.process_time()).future())
 
 
 def main() -> None:
@@ -105,15 +113,16 @@ def main() -> None:
     seconds = args.requests / args.rate + 5.0  # the followers' start (a second or two) and a margin
     engines_done = ray.remote(Engines).options(num_cpus=0).remote().report.remote(
         args.engines, args.steps_per_s, seconds)
-    delays_ms = sorted(1000 * delay for delay in asyncio.run(route(args, engines_done)))
+    delays, actor_cores = asyncio.run(route(args, engines_done))
+    delays_ms = sorted(1000 * delay for delay in delays)
     ray.shutdown()
     p99 = delays_ms[int(0.99 * (len(delays_ms) - 1))]
     print(f"{args.followers} followers, {args.engines} engines x {args.steps_per_s:g} steps/s, "
           f"{args.requests} bookings at {args.rate:g}/s, sync interval {1000 * args.sync_interval_s:g} ms\n")
-    print("| booking delay p50 ms | p99 ms | max ms | p99 / sync interval |")
-    print("|---|---|---|---|")
+    print("| booking delay p50 ms | p99 ms | max ms | p99 / sync interval | router actor CPU (cores) |")
+    print("|---|---|---|---|---|")
     print(f"| {statistics.median(delays_ms):.2f} | {p99:.2f} | {delays_ms[-1]:.2f} | "
-          f"{p99 / (1000 * args.sync_interval_s):.2f} |")
+          f"{p99 / (1000 * args.sync_interval_s):.2f} | {actor_cores:.2f} |")
 
 
 if __name__ == "__main__":
