@@ -40,7 +40,7 @@ class FollowingRouter:
         self._outbox: list[SharedBooking] = []
         self._removed: list[str] = []
         self._feed_ok = True
-        self._sharing = False  # a task is sending the outbox
+        self._pusher: asyncio.Task | None = None  # sends the outbox; kept: the loop holds tasks weakly
         self._loop: asyncio.AbstractEventLoop | None = None
         self._syncing = asyncio.Lock()  # one sync at a time: each replays from the cursor the last one left
 
@@ -113,23 +113,19 @@ class FollowingRouter:
 
     def _share(self, booking: SharedBooking) -> None:
         self._outbox.append(booking)
-        if self.started and not self._sharing:
-            self._sharing = True
-            self._loop.create_task(self._push())
+        if self.started and (self._pusher is None or self._pusher.done()):
+            self._pusher = self._loop.create_task(self._push())
 
     async def _push(self) -> None:
         """Sends the outbox as it fills, a call at a time, on a connection whose calls are never held."""
-        try:
-            while self._outbox:
-                bookings, self._outbox = self._outbox, []
-                try:
-                    feed = await self._feed.get("bookings")
-                    await feed.call("share", self.name, bookings)
-                except Exception as exc:  # lost to the others; the replicas' reports will cover them
-                    self._warn_once(exc)
-                    return
-        finally:
-            self._sharing = False
+        while self._outbox:
+            bookings, self._outbox = self._outbox, []
+            try:
+                feed = await self._feed.get("bookings")
+                await feed.call("share", self.name, bookings)
+            except Exception as exc:  # lost to the others; the replicas' reports will cover them
+                self._warn_once(exc)
+                return
 
     def _warn_once(self, exc: Exception) -> None:
         self._feed.reset()
