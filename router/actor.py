@@ -77,7 +77,7 @@ class RouterActor(FeedingRouter):
         follower's interval, counted from its last answer), so a busy feed costs a follower one answer an
         interval."""
         with self._news:
-            update = self._recording(super().follow, follower, epoch, cursor, bookings)
+            update = super().follow(follower, epoch, cursor, bookings)  # bookings wake the others in share()
             since = cursor if update.entries else update.cursor  # held reports are answered with what follows
             now = time.monotonic()
             deadline, reports_due = now + wait_s, now + reports_in_s

@@ -69,8 +69,7 @@ class FakeFeed:
             await asyncio.Event().wait()
         await asyncio.sleep(min(wait_s, 0.01))
         self._share(follower, bookings)
-        update = self.owner.follow(follower, epoch, cursor, [])
-        return update
+        return self.owner.follow(follower, epoch, cursor, [])
 
 
 @pytest.fixture(autouse=True)
