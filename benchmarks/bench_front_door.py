@@ -4,12 +4,15 @@ bare Ray Serve app (benchmarks/bare_serve.py), the same load client for both, in
 Every request is POST /v1/completions with a fresh prompt of --prompt-tokens random token ids and
 max_tokens 1. prefixserve serves the tiny random model (benchmarks/random_model.py) on --replicas
 engine replicas, behind 1 and then 2 ingress replicas; the bare app has one ingress in front of
---replicas replicas that yield one chunk each. Each app gets --warmup-s of load first, then
---duration-s measured, in each of --rounds rounds (the machine's load drifts: a ratio is taken within
-a round, and the verdict is on the rounds' median). The load client is `wrk` (a Lua script makes
-each request's prompt), or without wrk an asyncio httpx client in a process of its own. CPU ms per
-request: the CPU time (user + system, psutil) that every process under this one (Ray's GCS, raylet,
-Serve's controller, proxy and replicas; not this driver, not the load client) spent during the
+--replicas replicas that yield one chunk each. The apps run side by side, each at its own route
+prefix, and stay up through the run; the load goes to one at a time: --warmup-s of it, then
+--duration-s measured, for each app in turn in each of --rounds rounds (each round starting with the
+next app). The machine's speed drifts by 10-30% over tens of seconds: a ratio is taken within a
+round, between windows seconds apart, and the verdict is on the rounds' median. The load client is
+`wrk` (a Lua script makes each request's prompt), or without wrk an asyncio httpx client in a process
+of its own. CPU ms per request: the CPU time (user + system, psutil) that the measured app's
+processes and those every app shares (Ray's GCS, raylet, Serve's controller and proxy; not this
+driver, not the load client, not the other apps' replicas and router actors) spent during the
 measured window, over the requests answered in it.
 
     apt-get install -y wrk
@@ -30,6 +33,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
@@ -66,6 +70,7 @@ class Result:
     app: str
     load: Load
     cpu_ms_by_process: dict[str, float]  # CPU ms per request by kind of process
+    steal: float | None = None  # the share of the machine's time its hypervisor took from it meanwhile
 
     @property
     def cpu_ms_per_request(self) -> float:
@@ -87,14 +92,14 @@ function request()
   local ids = {}
   for i = 1, %(prompt_tokens)d do ids[i] = math.random(%(first_id)d, %(last_id)d) end
   local body = '{"model":"%(model)s","max_tokens":1,"prompt":[' .. table.concat(ids, ",") .. ']}'
-  return wrk.format("POST", "/v1/completions", {["Content-Type"] = "application/json"}, body)
+  return wrk.format("POST", "%(path)s", {["Content-Type"] = "application/json"}, body)
 end
 """
 
 
-def wrk_script(prompt_tokens: int) -> str:
+def wrk_script(prompt_tokens: int, route_prefix: str = "") -> str:
     return WRK_SCRIPT % {"prompt_tokens": prompt_tokens, "first_id": FIRST_TOKEN_ID, "last_id": VOCAB_SIZE - 1,
-                         "model": MODEL_NAME}
+                         "model": MODEL_NAME, "path": f"{route_prefix}/v1/completions"}
 
 
 _WRK_UNITS_MS = {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 60e3}
@@ -176,17 +181,45 @@ def cpu_seconds(processes: list) -> dict[int, float]:
     return seconds
 
 
-def process_kind(process) -> str:
-    """Ray titles its workers by what they run and the method running now
-    (ray::ServeReplica:prefixserve:engine.handle_request): the kind leaves the method out. Its other
-    processes go by their executable's name (raylet, gcs_server, python)."""
+def process_kind(process) -> tuple[str, str | None]:
+    """The kind of process and the Serve app whose replica it is (None: not a replica). Ray titles its
+    workers by what they run and the method running now (ray::ServeReplica:<app>:<deployment>.handle_request):
+    a replica's kind is its deployment's, ServeReplica:<deployment>. Its other processes go by their
+    executable's name (raylet, gcs_server, python)."""
     import psutil
 
     try:
         title = process.cmdline()[0]
-        return title.removeprefix("ray::").split(".")[0] if title.startswith("ray::") else process.name()
+        if not title.startswith("ray::"):
+            return process.name(), None
     except (psutil.NoSuchProcess, IndexError):
-        return "gone"
+        return "gone", None
+    actor = title.removeprefix("ray::").split(".")[0]
+    if actor.startswith("ServeReplica:"):
+        _, app, deployment = actor.split(":", 2)
+        return f"ServeReplica:{deployment}", app
+    return actor, None
+
+
+def machine_times() -> list[int] | None:
+    """The machine's CPU time counters (/proc/stat's cpu line: user, nice, system, idle, iowait, irq,
+    softirq, steal, ...); None where there is no /proc/stat."""
+    try:
+        return [int(field) for field in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    except OSError:
+        return None
+
+
+STEAL = 7  # the position of steal in machine_times()
+
+
+def steal_share(before: list[int] | None, after: list[int] | None) -> float | None:
+    """The share of the time between two machine_times() that the hypervisor ran other guests on this
+    machine's CPUs (Linux's steal): on a shared host it swings from 0 to over 10% from one minute to the next."""
+    if before is None or after is None or len(before) <= STEAL:
+        return None
+    deltas = [now - then for then, now in zip(before, after)]
+    return deltas[STEAL] / sum(deltas) if sum(deltas) else None
 
 
 def cpu_ms_by_kind(before: dict[int, float], after: dict[int, float], kinds: dict[int, str],
@@ -201,18 +234,32 @@ def cpu_ms_by_kind(before: dict[int, float], after: dict[int, float], kinds: dic
 
 # ---- the run
 
-def measure(name: str, base_url: str, load_command, args: argparse.Namespace) -> Result:
+@dataclass(frozen=True)
+class App:
+    label: str  # its rows' name in the report
+    name: str  # its Serve app's, and its route prefix without the slash
+    application: Any  # what serve.run takes
+    config: Any = None  # prefixserve's ClusterConfig; None for the bare app
+
+
+def measure(app: App, load_command, args: argparse.Namespace, owners: dict[int, str]) -> Result:
+    """One window of load on app; load_command(app, duration_s) -> the load client's command. owners: the
+    app of each process that serves one app alone and whose title does not say which (the router actors)."""
     import psutil
 
-    check_answers(base_url)
-    subprocess.run(load_command(base_url, args.warmup_s), check=True, capture_output=True)
-    processes = psutil.Process().children(recursive=True)  # taken before the client starts: it is not counted
-    kinds = {process.pid: process_kind(process) for process in processes}
-    before = cpu_seconds(processes)
-    output = subprocess.run(load_command(base_url, args.duration_s), check=True, capture_output=True, text=True).stdout
+    subprocess.run(load_command(app, args.warmup_s), check=True, capture_output=True)
+    processes, kinds = [], {}
+    for process in psutil.Process().children(recursive=True):  # taken before the client starts: not counted
+        kind, owner = process_kind(process)
+        if owners.get(process.pid, owner) in (None, app.name):
+            processes.append(process)
+            kinds[process.pid] = kind
+    before, machine_before = cpu_seconds(processes), machine_times()
+    output = subprocess.run(load_command(app, args.duration_s), check=True, capture_output=True, text=True).stdout
     load = parse_wrk(output) if args.client == "wrk" else Load(**json.loads(output))
-    result = Result(name, load, cpu_ms_by_kind(before, cpu_seconds(processes), kinds, load.requests))
-    print(f"{name}: {load.requests_per_s:.0f} requests/s, {result.cpu_ms_per_request:.1f} CPU ms per request "
+    result = Result(app.label, load, cpu_ms_by_kind(before, cpu_seconds(processes), kinds, load.requests),
+                    steal_share(machine_before, machine_times()))
+    print(f"{app.label}: {load.requests_per_s:.0f} requests/s, {result.cpu_ms_per_request:.1f} CPU ms per request "
           f"over {len(processes)} processes", flush=True)
     return result
 
@@ -226,33 +273,65 @@ def check_answers(base_url: str) -> None:
         raise RuntimeError(f"{base_url} answered {response.status_code}: {response.text}")
 
 
-def run_all(args: argparse.Namespace, scratch: Path) -> list[list[Result]]:
-    """--rounds rounds of every app, each round's results in the apps' order (bare first)."""
+def apps_to_measure(args: argparse.Namespace, scratch: Path) -> list[App]:
+    """The bare app first, then prefixserve at each --ingress-replicas."""
     from benchmarks.bare_serve import build_bare
-    from benchmarks.live_app import app_of, local_serve, replica_num_cpus
+    from benchmarks.live_app import replica_num_cpus
     from benchmarks.random_model import write_random_model
+    from cluster.app import build
+    from cluster.config import ClusterConfig
 
     engine = ENGINE | {"model": str(write_random_model(scratch / "tiny", "tiny"))}
-    seeds = itertools.count()  # no run repeats another's prompts
-    if args.client == "wrk":
-        script = scratch / "fresh_prompts.lua"
-        script.write_text(wrk_script(args.prompt_tokens))
+    served = {"router_sync_interval_s": args.router_sync_interval_s} if args.router_sync_interval_s else {}
+    num_cpus = replica_num_cpus(args.replicas)
+    apps = [App("bare Ray Serve", "bare", build_bare(args.replicas, num_cpus))]
+    for n in args.ingress_replicas:
+        config = ClusterConfig(engine=engine, num_replicas=args.replicas, replica_num_cpus=num_cpus,
+                               ingress_replicas=n, **served)
+        apps.append(App(f"prefixserve, {n} ingress", f"ingress-{n}", build(config), config))
+    return apps
 
-        def load_command(base_url: str, duration_s: float) -> list[str]:
-            return wrk_command(base_url, script, args, duration_s, next(seeds))
-    else:
-        def load_command(base_url: str, duration_s: float) -> list[str]:
-            return httpx_command(base_url, args, duration_s, next(seeds))
-    with local_serve() as run:
-        apps = [("bare Ray Serve", lambda: build_bare(args.replicas, replica_num_cpus(args.replicas)))]
-        served = {"router_sync_interval_s": args.router_sync_interval_s} if args.router_sync_interval_s else {}
-        apps += [(f"prefixserve, {n} ingress", lambda n=n: app_of(engine, args.replicas, ingress_replicas=n, **served))
-                 for n in args.ingress_replicas]
+
+def router_actor_pid(app: App) -> int | None:
+    """The pid of the app's router actor (the app has answered a request: it exists); None for the bare app."""
+    import ray
+
+    from router.actor import get_or_create_router
+
+    if app.config is None:
+        return None
+    actor = get_or_create_router(app.name, app.config.routing_config, app.config.engine.cache.block_size,
+                                 create=False)
+    return ray.get(actor.__ray_call__.remote(lambda _: os.getpid()))
+
+
+def run_all(args: argparse.Namespace, scratch: Path) -> list[list[Result]]:
+    """--rounds rounds of every app, each round's results in the apps' order (bare first)."""
+    from benchmarks.live_app import local_serve
+
+    seeds = itertools.count()  # no run repeats another's prompts
+    num_apps = 1 + len(args.ingress_replicas)
+    with local_serve(num_cpus=num_apps * (os.cpu_count() or 1)) as run:
+        apps = apps_to_measure(args, scratch)
+        urls = {app.name: run(app.application, app.name, f"/{app.name}") for app in apps}
+        scripts = {app.name: scratch / f"{app.name}.lua" for app in apps}
+        for app in apps:
+            scripts[app.name].write_text(wrk_script(args.prompt_tokens, f"/{app.name}"))
+
+        def load_command(app: App, duration_s: float) -> list[str]:
+            if args.client == "wrk":
+                return wrk_command(urls[app.name], scripts[app.name], args, duration_s, next(seeds))
+            return httpx_command(urls[app.name], args, duration_s, next(seeds))
+
+        for url in urls.values():
+            check_answers(url)
+        owners = {pid: app.name for app in apps if (pid := router_actor_pid(app)) is not None}
         rounds = []
         for index in range(args.rounds):
             print(f"round {index + 1} of {args.rounds}", flush=True)
-            measured = {name: measure(name, run(app()), load_command, args) for name, app in rotated(apps, index)}
-            rounds.append([measured[name] for name, _ in apps])
+            measured = {app.name: measure(app, load_command, args, owners)
+                        for app in rotated(apps, index)}
+            rounds.append([measured[app.name] for app in apps])
         return rounds
 
 
@@ -316,12 +395,15 @@ def ratios(results: list[Result]) -> list[float]:
 def rounds_table(rounds: list[list[Result]]) -> str:
     served = [result.app for result in rounds[0][1:]]
     rows = ["| round | bare req/s | " + " | ".join(f"{app} req/s (x bare)" for app in served) + " | CPU ms/request: "
-            + ", ".join(result.app for result in rounds[0]) + " |", "|---" * (len(served) + 3) + "|"]
+            + ", ".join(result.app for result in rounds[0]) + " | steal % in each app's window |",
+            "|---" * (len(served) + 4) + "|"]
     for index, results in enumerate(rounds, 1):
         cells = [f"{result.load.requests_per_s:.0f} ({ratio:.2f})"
                  for result, ratio in zip(results[1:], ratios(results))]
         cpu = ", ".join(f"{result.cpu_ms_per_request:.1f}" for result in results)
-        rows.append(f"| {index} | {results[0].load.requests_per_s:.0f} | " + " | ".join(cells) + f" | {cpu} |")
+        steal = ", ".join("-" if result.steal is None else f"{result.steal * 100:.1f}" for result in results)
+        rows.append(f"| {index} | {results[0].load.requests_per_s:.0f} | " + " | ".join(cells)
+                    + f" | {cpu} | {steal} |")
     return "\n".join(rows)
 
 
@@ -371,7 +453,8 @@ def report(args: argparse.Namespace, rounds: list[list[Result]]) -> str:
         f"then {args.duration_s:g} s measured per app and round, {args.rounds} rounds (each round starts with the "
         f"next app in turn; the ratios are taken within a round), a fresh prompt of {args.prompt_tokens} random token "
         f"ids per request, max_tokens 1. {args.replicas} engine replicas of the tiny random model (bare app: {args.replicas} "
-        f"replicas yielding one chunk). CPU ms per request: user + system time of every process under the driver "
+        f"replicas yielding one chunk). The apps run side by side through the run, the load on one at a time. "
+        f"CPU ms per request: user + system time of the measured app's processes and those every app shares "
         f"(Ray's and Serve's) during the measured window, over the requests answered in it.",
         rounds_table(rounds),
         "All rounds together:\n\n" + table(together),
@@ -386,9 +469,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--router-sync-interval-s", type=float, help="default: ClusterConfig's")
     parser.add_argument("--connections", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="wrk's threads")
-    parser.add_argument("--duration-s", type=float, default=20.0)
-    parser.add_argument("--warmup-s", type=float, default=5.0)
-    parser.add_argument("--rounds", type=int, default=3, help="times every app is measured, in turn")
+    parser.add_argument("--duration-s", type=float, default=10.0, help="measured load on an app in a round")
+    parser.add_argument("--warmup-s", type=float, default=2.0, help="load on an app before each measured window")
+    parser.add_argument("--rounds", type=int, default=10, help="times every app is measured, in turn")
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--client", choices=["wrk", "httpx"], default="wrk" if shutil.which("wrk") else "httpx")
     parser.add_argument("--markdown", help="write the command, machine, table and verdict here")

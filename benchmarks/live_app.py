@@ -16,21 +16,22 @@ WORDS = ("river stone light garden window paper silver engine market winter harb
 
 
 @contextlib.contextmanager
-def local_serve() -> Iterator[Callable[..., str]]:
-    """Yields run(app) -> the app's base URL. Each run replaces the app that runs with fresh replicas,
-    which share the machine's cores."""
+def local_serve(num_cpus: int | None = None) -> Iterator[Callable[..., str]]:
+    """Yields run(app, name, route_prefix) -> the app's base URL. Each run replaces the app of that name
+    with fresh replicas, which share the machine's cores. num_cpus: the CPUs Ray schedules replicas on
+    (default: the machine's), more than the machine has for apps that run side by side."""
     from cluster.local_ray import free_port, init_local_ray
 
     port = free_port()
-    init_local_ray(os.cpu_count() or 1, log_to_driver=False)  # before anything imports ray
+    init_local_ray(num_cpus or os.cpu_count() or 1, log_to_driver=False)  # before anything imports ray
     import ray
     from ray import serve
 
     from cluster.app import APP_NAME
 
-    def run(app) -> str:
-        serve.run(app, name=APP_NAME, route_prefix="/")
-        return f"http://127.0.0.1:{port}"
+    def run(app, name: str = APP_NAME, route_prefix: str = "/") -> str:
+        serve.run(app, name=name, route_prefix=route_prefix)
+        return f"http://127.0.0.1:{port}{route_prefix.rstrip('/')}"
 
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -46,8 +46,9 @@ def test_cpu_ms_per_request_by_kind_leaves_out_processes_that_came_or_went():
     assert bench.Result("app", None, by_kind).cpu_ms_per_request == 60.0
 
 
-def result(app: str, requests: int, cpu_ms_by_process: dict[str, float] | None = None) -> bench.Result:
-    return bench.Result(app, bench.Load(requests, 10.0, 0, 0, 0, 1.0, 2.0), cpu_ms_by_process or {})
+def result(app: str, requests: int, cpu_ms_by_process: dict[str, float] | None = None,
+           steal: float | None = None) -> bench.Result:
+    return bench.Result(app, bench.Load(requests, 10.0, 0, 0, 0, 1.0, 2.0), cpu_ms_by_process or {}, steal)
 
 
 def test_cpu_table_puts_the_busiest_kinds_first_with_a_column_per_app():
@@ -78,12 +79,41 @@ def test_verdict_takes_each_ratio_within_its_round_and_judges_the_median():
         "two: 1.07x one (median of 1.07), as fast or faster"]
 
 
-def test_rounds_table_has_a_row_per_round_with_its_own_ratios():
-    assert bench.rounds_table(rounds_of([[1000, 800, 850], [900, 630, 600]])) == "\n".join([
-        "| round | bare req/s | one req/s (x bare) | two req/s (x bare) | CPU ms/request: bare, one, two |",
-        "|---|---|---|---|---|",
-        "| 1 | 100 | 80 (0.80) | 85 (0.85) | 10.0, 12.0, 13.0 |",
-        "| 2 | 90 | 63 (0.70) | 60 (0.67) | 10.0, 12.0, 13.0 |"])
+def test_rounds_table_has_a_row_per_round_with_its_own_ratios_and_each_windows_steal():
+    rounds = rounds_of([[1000, 800, 850], [900, 630, 600]])
+    rounds[1][2] = result("two", 600, {"proxy": 13}, steal=0.125)
+    assert bench.rounds_table(rounds) == "\n".join([
+        "| round | bare req/s | one req/s (x bare) | two req/s (x bare) | CPU ms/request: bare, one, two "
+        "| steal % in each app's window |",
+        "|---|---|---|---|---|---|",
+        "| 1 | 100 | 80 (0.80) | 85 (0.85) | 10.0, 12.0, 13.0 | -, -, - |",
+        "| 2 | 90 | 63 (0.70) | 60 (0.67) | 10.0, 12.0, 13.0 | -, -, 12.5 |"])
+
+
+def test_steal_share_is_the_steal_counters_part_of_all_counters_between_two_readings():
+    before = [100, 50, 30, 500, 0, 0, 5, 20]
+    after = [160, 110, 50, 535, 0, 0, 5, 45]  # 200 more ticks, 25 of them stolen
+    assert bench.steal_share(before, after) == 0.125
+    assert bench.steal_share(None, after) is None
+    assert bench.steal_share(before[:4], after[:4]) is None  # a kernel without the steal counter
+
+
+class FakeProcess:
+    def __init__(self, title: str, name: str = "python"):
+        self._title, self._name = title, name
+
+    def cmdline(self) -> list[str]:
+        return [self._title]
+
+    def name(self) -> str:
+        return self._name
+
+
+def test_process_kind_names_a_replicas_deployment_and_its_app_and_leaves_others_to_every_app():
+    assert bench.process_kind(FakeProcess("ray::ServeReplica:ingress-2:engine.handle_request")) == (
+        "ServeReplica:engine", "ingress-2")
+    assert bench.process_kind(FakeProcess("ray::ProxyActor")) == ("ProxyActor", None)
+    assert bench.process_kind(FakeProcess("/usr/bin/raylet --flags", "raylet")) == ("raylet", None)
 
 
 def test_pooled_sums_each_apps_rounds_and_weighs_cpu_by_requests():
