@@ -314,12 +314,12 @@ def run_all(args: argparse.Namespace, scratch: Path) -> list[list[Result]]:
     with local_serve(num_cpus=num_apps * (os.cpu_count() or 1)) as run:
         apps = apps_to_measure(args, scratch)
         urls = {app.name: run(app.application, app.name, f"/{app.name}") for app in apps}
-        scripts = {app.name: scratch / f"{app.name}.lua" for app in apps}
-        for app in apps:
-            scripts[app.name].write_text(wrk_script(args.prompt_tokens, f"/{app.name}"))
+        scripts = {app.name: scratch / f"{app.name}.lua" for app in apps} if args.client == "wrk" else {}
+        for name, script in scripts.items():
+            script.write_text(wrk_script(args.prompt_tokens, f"/{name}"))
 
         def load_command(app: App, duration_s: float) -> list[str]:
-            if args.client == "wrk":
+            if scripts:
                 return wrk_command(urls[app.name], scripts[app.name], args, duration_s, next(seeds))
             return httpx_command(urls[app.name], args, duration_s, next(seeds))
 
