@@ -11,6 +11,7 @@ routing goes on with the last view, and this process's own bookings keep countin
 """
 import asyncio
 import logging
+import math
 import time
 import uuid
 from collections.abc import Sequence
@@ -36,7 +37,7 @@ class FollowingRouter:
         self._interval_s = interval_s
         self._epoch: str | None = None
         self._cursor = 0
-        self._answered_at = 0.0  # time.monotonic() of the last sync's answer
+        self._answered_at = -math.inf  # time.monotonic() of the last sync's answer (it starts at boot)
         self._outbox: list[SharedBooking] = []
         self._removed: list[str] = []
         self._feed_ok = True

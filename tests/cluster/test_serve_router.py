@@ -1,6 +1,7 @@
 """PrefixAwareRequestRouter, Serve's side of routing: it decides in its own process, on a view a fake router
 feed keeps current (no Ray cluster)."""
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -132,7 +133,17 @@ def test_a_booking_reaches_the_feed_while_the_sync_is_held():
     assert feed.bookings == [SharedBooking("req-1", "a", REQUEST.block_hashes, 4, "chat-1")]
 
 
-def test_a_sync_asks_for_engine_reports_no_sooner_than_the_interval_after_the_last_answer():
+class FakeClock:
+    """time.monotonic() of a machine booted boot_s seconds ago, as the follower reads it."""
+    def __init__(self, boot_s: float):
+        self._booted_at = time.monotonic() - boot_s
+
+    def monotonic(self) -> float:
+        return time.monotonic() - self._booted_at
+
+
+def test_a_sync_asks_for_engine_reports_no_sooner_than_the_interval_after_the_last_answer(monkeypatch):
+    monkeypatch.setattr(follower_module, "time", FakeClock(boot_s=60))  # up for less than the interval
     feed = FakeFeed()
 
     async def test(router, replicas):
