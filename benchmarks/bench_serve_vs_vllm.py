@@ -16,8 +16,9 @@ The load client is vLLM's `vllm bench serve` from the anchor's venv (shared/anch
 when --vllm-anchor is given, else the asyncio client here, which measures as vllm bench serve does:
 output tok/s and req/s over the run's wall time, TTFT to the first streamed chunk, TPOT = (latency - TTFT) /
 (output tokens - 1). vLLM's CPU wheel runs only with AVX-512; elsewhere it is skipped with the reason.
-The baseline any machine has: the engine offline (LLM.generate) on the burst prompts, in a subprocess with
-the served replica's thread count, next to the model's projections alone and transformers' generate.
+The baseline any machine has: the engine offline (LLM.generate) on the burst's prompts and then on the
+prefix burst's, in a subprocess with the served replica's thread count, next to the model's projections
+alone and transformers' generate on the burst's: served / offline is what the serving path costs.
 """
 import argparse
 import asyncio
@@ -278,9 +279,11 @@ def offline_worker(request_path: str, report_path: str) -> None:
     torch.set_num_threads(request["threads"])
     engine_args = argparse.Namespace(dtype=request["dtype"], device=request["device"], max_num_batched_tokens=8192,
                                      backend="auto", kv_cache_gib=1.0)
-    workload = bench_offline.Workload(request["prompts"], [request["output_len"]] * len(request["prompts"]))
+    workload, prefix = (bench_offline.Workload(prompts, [output_len] * len(prompts))
+                        for prompts, output_len in (request["burst"], request["prefix"]))
     llm, startup_s = bench_offline.start_prefixserve(engine_args, request["model"], workload)
     report = {"engine_s": bench_offline.bench_prefixserve(llm, workload), "startup_s": startup_s,
+              "engine_prefix_s": bench_offline.bench_prefixserve(llm, prefix),  # none of the burst's prompts
               "projections_s": bench_offline.bench_projection_floor(llm, workload, 8192),
               "dtype": str(llm.engine.runner.model.lm_head_weight.dtype).removeprefix("torch."),
               "threads": torch.get_num_threads()}
@@ -291,12 +294,14 @@ def offline_worker(request_path: str, report_path: str) -> None:
     Path(report_path).write_text(json.dumps(report))
 
 
-def bench_offline_engine(args: argparse.Namespace, burst: Workload) -> dict:
+def bench_offline_engine(args: argparse.Namespace, burst: Workload, prefix: Workload) -> dict:
+    """The engine in-process on the prompts of the two all-at-once workloads, in a subprocess."""
     with tempfile.TemporaryDirectory() as scratch:
         request, report = Path(scratch, "request.json"), Path(scratch, "report.json")
         request.write_text(json.dumps({"model": args.model, "dtype": args.dtype, "device": args.device,
-                                       "threads": args.threads, "prompts": burst.prompts,
-                                       "output_len": burst.output_len, "transformers": not args.skip_hf}))
+                                       "threads": args.threads, "burst": [burst.prompts, burst.output_len],
+                                       "prefix": [prefix.prompts, prefix.output_len],
+                                       "transformers": not args.skip_hf}))
         subprocess.run([sys.executable, __file__, "--offline-worker", str(request), str(report)], check=True)
         return json.loads(report.read_text())
 
@@ -327,8 +332,8 @@ def format_figures(result: dict[str, float]) -> str:
             f"TPOT p50 {result['median_tpot_ms']:.1f} ms")
 
 
-def table(served: dict, vllm: dict | None, offline: dict, burst: Workload) -> list[str]:
-    """Markdown rows: every served run, then the offline figures on the burst's prompts."""
+def table(served: dict, vllm: dict | None, offline: dict, burst: Workload, prefix: Workload) -> list[str]:
+    """Markdown rows: every served run, then the offline figures on the all-at-once workloads' prompts."""
     rows = ["| server | workload | output tok/s | req/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | vs vLLM |",
             "|---|---|---:|---:|---:|---:|---:|---:|"]
     for name, results in (("prefixserve", served), ("vLLM", vllm or {})):
@@ -336,14 +341,16 @@ def table(served: dict, vllm: dict | None, offline: dict, burst: Workload) -> li
             ratio = f"{r['output_throughput'] / vllm[workload]['output_throughput']:.2f}x" if vllm else "-"
             rows.append(f"| {name} | {workload} | {r['output_throughput']:.1f} | {r['request_throughput']:.2f} | "
                         f"{r['median_ttft_ms']:.0f} | {r['p99_ttft_ms']:.0f} | {r['median_tpot_ms']:.1f} | {ratio} |")
-    tokens = burst.output_len * len(burst.prompts)
-    served_tok_s = served["burst"]["output_throughput"]
-    rows += ["", "| offline, burst prompts | time s | output tok/s | served / this |", "|---|---:|---:|---:|"]
-    for name, key in (("engine (LLM.generate)", "engine_s"), ("projections alone", "projections_s"),
-                      ("transformers generate", "transformers_s")):
+    rows += ["", "| offline, all at once | prompts | time s | output tok/s | served / this |",
+             "|---|---|---:|---:|---:|"]
+    for name, key, workload in (("engine (LLM.generate)", "engine_s", burst),
+                                ("engine (LLM.generate)", "engine_prefix_s", prefix),
+                                ("projections alone", "projections_s", burst),
+                                ("transformers generate", "transformers_s", burst)):
         if key in offline:
-            tok_s = tokens / offline[key]
-            rows.append(f"| {name} | {offline[key]:.2f} | {tok_s:.1f} | {served_tok_s / tok_s:.2f} |")
+            tok_s = workload.output_len * len(workload.prompts) / offline[key]
+            served_tok_s = served[workload.name]["output_throughput"]
+            rows.append(f"| {name} | {workload.name} | {offline[key]:.2f} | {tok_s:.1f} | {served_tok_s / tok_s:.2f} |")
     return rows
 
 
@@ -440,9 +447,9 @@ def main() -> None:
     load_before, log_dir = os.getloadavg()[0], Path(tempfile.mkdtemp(prefix="bench_serve_vs_vllm-"))
     print(f"server logs: {log_dir}", flush=True)
     served, vllm = serve_both(args, workloads, log_dir)
-    offline = bench_offline_engine(args, workloads[0])
+    offline = bench_offline_engine(args, workloads[0], workloads[1])
     lines = setting(args, offline, vllm is not None, (load_before, os.getloadavg()[0]))
-    rows = table(served, vllm, offline, workloads[0])
+    rows = table(served, vllm, offline, workloads[0], workloads[1])
     verdict_lines = verdict(served, vllm, skip_reason, workloads[2].name)
     print("\n".join(["", *lines, "", *rows, "", *verdict_lines]))
     if args.markdown:

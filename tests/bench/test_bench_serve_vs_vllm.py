@@ -86,3 +86,17 @@ def test_the_verdict_checks_issue_30s_bars_only_where_vllm_ran():
         "- prefix@3/s median_tpot_ms: 20.0 against vLLM's 10.0 (not met: no worse)"]
     [line] = bench.verdict(served, None, "vLLM skipped: no AVX-512", "prefix@3/s")
     assert "not checkable here. vLLM skipped: no AVX-512." in line
+
+
+def test_the_offline_rows_set_each_all_at_once_workload_against_the_engine_on_its_own_prompts():
+    burst = bench.random_burst(num_prompts=4, input_len=5, output_len=10, vocab_size=100, seed=0)  # 40 tokens
+    prefix = bench.prefix_repetition("prefix", 2, 1, 3, 2, 5, 100, 0)  # 10 tokens
+    figures = {"request_throughput": 1.0, "median_ttft_ms": 50.0, "p99_ttft_ms": 70.0, "median_tpot_ms": 20.0}
+    served = {"burst": {**figures, "output_throughput": 16.0}, "prefix": {**figures, "output_throughput": 4.0}}
+    offline = {"engine_s": 2.0, "engine_prefix_s": 2.0, "projections_s": 1.0, "startup_s": 3.0}
+    rows = bench.table(served, None, offline, burst, prefix)
+    assert rows[rows.index("") + 1:] == [
+        "| offline, all at once | prompts | time s | output tok/s | served / this |", "|---|---|---:|---:|---:|",
+        "| engine (LLM.generate) | burst | 2.00 | 20.0 | 0.80 |",
+        "| engine (LLM.generate) | prefix | 2.00 | 5.0 | 0.80 |",
+        "| projections alone | burst | 1.00 | 40.0 | 0.40 |"]
