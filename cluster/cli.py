@@ -45,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--publish-interval-s", type=float, default=0.01,
                          help="least seconds between an engine replica's reports to the router feed; a busy "
                               "engine's steps go out coalesced (default: %(default)s)")
+    cluster.add_argument("--stream-interval-s", type=float, default=0.0,
+                         help="least seconds between two of a request's streamed outputs from its engine replica; "
+                              "the tokens of the steps in between go out as one (default: %(default)s, every "
+                              "step's tokens at once; Ray Serve LLM batches every 0.05 s)")
     cluster.add_argument("--router-choice-temperature-tokens", type=float,
                          help="how far each router strays from the cheapest replica, in tokens of cost (0: never; "
                               "default: 0 with one ingress replica, 16 with more)")
@@ -126,6 +130,7 @@ def config_from_args(args: argparse.Namespace):
     return ClusterConfig(engine=engine, num_replicas=args.replicas, ingress_replicas=args.ingress_replicas,
                          autoscaling=autoscaling, routing=args.routing_policy,
                          router_sync_interval_s=args.router_sync_interval_s, publish_interval_s=args.publish_interval_s,
+                         stream_interval_s=args.stream_interval_s,
                          router_choice_temperature_tokens=args.router_choice_temperature_tokens,
                          api_key=args.api_key or os.environ.get(API_KEY_ENV),
                          replica_num_cpus=args.replica_cpus, replica_num_gpus=args.replica_gpus,

@@ -26,6 +26,7 @@ class EngineReplica:
             RouterClient(context.app_name, config.routing_config, core.config.cache.block_size, create=False),
             send_interval_s=config.publish_interval_s)
         self._engine = AsyncEngine(core, after_step=functools.partial(self._publisher.record, core))
+        self._stream_interval_s = config.stream_interval_s
 
     def model_info(self) -> ModelInfo:
         core = self._engine.core
@@ -37,7 +38,7 @@ class EngineReplica:
         """The request's outputs, the first naming this replica; a caller going away aborts it."""
         num_cached_tokens = None
         try:
-            async for output in self._engine.generate(request):
+            async for output in self._engine.generate(request, self._stream_interval_s):
                 if num_cached_tokens is None:  # the first output
                     output.replica_id = self.replica_id
                 num_cached_tokens = output.num_cached_tokens

@@ -8,10 +8,11 @@ steps, never during one.
 import asyncio
 import contextlib
 import logging
+import math
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from replica.kv_cache import BlockHash
@@ -63,6 +64,13 @@ class EngineOutput:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per new token: (token id, logprob), likeliest first
     replica_id: str | None = None  # only on a replica's first output for the request: the replica that took it
+
+    def merged(self, later: "EngineOutput") -> "EngineOutput":
+        """This output and a later one of the same request as one."""
+        return replace(
+            later, new_token_ids=self.new_token_ids + later.new_token_ids, new_text=self.new_text + later.new_text,
+            logprobs=_joined(self.logprobs, later.logprobs),
+            top_logprobs=_joined(self.top_logprobs, later.top_logprobs), replica_id=self.replica_id)
 
 
 class Core(Protocol):
@@ -125,21 +133,28 @@ class AsyncEngine:
         """Why the loop stopped; None while it runs."""
         return self._error
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
-        """The request's outputs until one is finished; closing the iterator early aborts it."""
+    async def generate(self, request: EngineRequest, stream_interval_s: float = 0.0) -> AsyncIterator[EngineOutput]:
+        """The request's outputs until one is finished; closing the iterator early aborts it. Outputs that come
+        within stream_interval_s of the last one yielded are merged into one, for a caller that pays per output;
+        the first and the finished one are never held back."""
         self._check_alive()
         queue: asyncio.Queue = asyncio.Queue()
         self._to_add.append((request, queue))
         self._wakeup.set()
-        finished = False
+        loop = asyncio.get_running_loop()
+        finished, yielded_at = False, -math.inf
         try:
             while not finished:
                 output = await queue.get()
                 if isinstance(output, BaseException):
                     finished = True
                     raise output
-                finished = output.finished
+                output, error = await _merge_until(queue, output, yielded_at + stream_interval_s)
+                finished = output.finished or error is not None
                 yield output
+                yielded_at = loop.time()
+                if error is not None:
+                    raise error
         finally:
             if not finished:
                 self._to_abort.append(request.request_id)
@@ -238,6 +253,26 @@ class AsyncEngine:
     def _check_alive(self) -> None:
         if self._error is not None:
             raise EngineDeadError(f"the engine loop stopped: {self._error!r}")
+
+
+async def _merge_until(queue: asyncio.Queue, output: EngineOutput,
+                       deadline: float) -> tuple[EngineOutput, BaseException | None]:
+    """output merged with those the queue brings before the deadline (loop time), up to a finished one or an
+    error, which is returned beside it."""
+    loop = asyncio.get_running_loop()
+    while not output.finished and (remaining := deadline - loop.time()) > 0:
+        try:
+            later = await asyncio.wait_for(queue.get(), remaining)  # a cancelled get leaves the item queued
+        except TimeoutError:
+            break
+        if isinstance(later, BaseException):
+            return output, later
+        output = output.merged(later)
+    return output, None
+
+
+def _joined(earlier: list | None, later: list | None) -> list | None:
+    return None if earlier is None and later is None else (earlier or []) + (later or [])
 
 
 def _settle(future: asyncio.Future, fn: Callable[[Core], Any], core: Core) -> None:

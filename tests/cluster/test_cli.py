@@ -11,8 +11,8 @@ from router.policy import PolicyConfig
 SERVE_OPTIONS = {
     "-h", "--help", "--address", "--host", "--port", "--replicas", "--ingress-replicas", "--autoscale",
     "--placement-strategy", "--tensor-parallel-size", "--replica-cpus", "--replica-gpus", "--router-sync-interval-s",
-    "--router-choice-temperature-tokens", "--publish-interval-s", "--routing-policy", "--max-waiting-requests",
-    "--max-queued-requests", "--max-request-body-bytes",
+    "--router-choice-temperature-tokens", "--publish-interval-s", "--stream-interval-s", "--routing-policy",
+    "--max-waiting-requests", "--max-queued-requests", "--max-request-body-bytes",
     "--max-migrations", "--api-key", "--model", "--served-model-name", "--dtype", "--device", "--enforce-eager",
     "--num-kv-blocks",
     "--kv-cache-gib", "--block-size", "--no-prefix-caching", "--max-num-seqs", "--max-num-batched-tokens",
@@ -37,8 +37,11 @@ def test_flags_reach_the_config(monkeypatch):
                    "--long-prefill-token-threshold", "128", "--policy", "priority", "--routing-policy",
                    "least_loaded", "--no-prefix-caching", "--dtype", "float32", "--replica-cpus", "2")
     assert config.num_replicas == 3
-    routers = parse("--ingress-replicas", "2", "--router-sync-interval-s", "0.05", "--publish-interval-s", "0.03")
-    assert (routers.ingress_replicas, routers.router_sync_interval_s, routers.publish_interval_s) == (2, 0.05, 0.03)
+    routers = parse("--ingress-replicas", "2", "--router-sync-interval-s", "0.05", "--publish-interval-s", "0.03",
+                    "--stream-interval-s", "0.2")
+    assert (routers.ingress_replicas, routers.router_sync_interval_s, routers.publish_interval_s,
+            routers.stream_interval_s) == (2, 0.05, 0.03, 0.2)
+    assert config.stream_interval_s == 0.0
     assert config.routing == "least_loaded"
     assert config.api_key == "from-env"
     assert config.replica_num_cpus == 2.0

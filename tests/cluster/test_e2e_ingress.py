@@ -1,6 +1,8 @@
 """Two ingress replicas, each routing in its own process on the view the router feed keeps current: requests
 that share a prefix hit its cache whichever ingress takes them, also after an ingress replica and the router
-actor are killed, and once idle every view of the index equals the engines' caches."""
+actor are killed, and once idle every view of the index equals the engines' caches. The engines stream with an
+interval longer than any request: a stream's first token comes alone, the rest in one output with the finish."""
+import json
 import time
 
 import httpx
@@ -19,11 +21,13 @@ PREFIX = "You are a librarian. " + " ".join(f"Shelf {i} holds the books on topic
 MIN_PREFIX_TOKENS = 256
 REQUESTS_PER_ROUND = 12
 IDLE_TIMEOUT_S = 60
+STREAM_INTERVAL_S = 3600
 
 
 @pytest.fixture(scope="module")
 def base_url():
-    with served(ClusterConfig(engine=ENGINE, num_replicas=2, ingress_replicas=2)) as url:
+    with served(ClusterConfig(engine=ENGINE, num_replicas=2, ingress_replicas=2,
+                              stream_interval_s=STREAM_INTERVAL_S)) as url:
         yield url
 
 
@@ -44,6 +48,18 @@ def kill_actor(name_part: str, namespace: str) -> None:
     actor = next(actor for actor in ray.util.list_named_actors(all_namespaces=True)
                  if name_part in actor["name"] and actor["namespace"] == namespace)
     ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
+
+
+def test_a_stream_sends_its_first_token_alone_and_the_rest_with_the_finish(base_url):
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 6, "temperature": 0}
+    with httpx.stream("POST", f"{base_url}/v1/completions", timeout=120, json=body | {"stream": True}) as response:
+        events = response.read().decode().split("\n\n")
+    chunks = [json.loads(event.removeprefix("data: "))["choices"][0] for event in events[:-2]]
+    assert events[-2:] == ["data: [DONE]", ""]
+    assert [chunk["finish_reason"] for chunk in chunks] == [None, "length"]
+    whole = httpx.post(f"{base_url}/v1/completions", timeout=120, json=body).json()
+    assert "".join(chunk["text"] for chunk in chunks) == whole["choices"][0]["text"]
+    assert whole["usage"]["completion_tokens"] == 6
 
 
 def test_a_shared_prefix_hits_whichever_ingress_routes_it_and_after_an_ingress_and_the_feed_die(base_url):

@@ -151,3 +151,45 @@ def test_an_unexpected_error_adding_a_request_reaches_its_caller_and_stops_the_e
         return engine.error
 
     assert str(run(test, BrokenCore())) == "the core is broken"
+
+
+class FakeCoreFailingOnStep(FakeEngineCore):
+    """A FakeEngineCore whose step number `failing_step` (from 1) raises."""
+    def __init__(self, failing_step: int):
+        super().__init__()
+        self.failing_step = failing_step
+
+    def step(self):
+        self.fail_step = self.num_steps + 1 == self.failing_step
+        return super().step()
+
+
+async def collect_coalesced(engine: AsyncEngine, request: EngineRequest, interval_s: float) -> list:
+    return [output async for output in engine.generate(request, stream_interval_s=interval_s)]
+
+
+def test_a_stream_interval_merges_outputs_yet_holds_back_neither_the_first_nor_the_finished_one():
+    request = EngineRequest("a", [1, 2, 3], [], SamplingParams(max_tokens=5, logprobs=True, top_logprobs=1))
+
+    async def test(engine, core):
+        return await asyncio.wait_for(collect_coalesced(engine, request, interval_s=3600), timeout=10)
+
+    first, rest = run(test)
+    assert (first.new_token_ids, first.new_text, first.logprobs, first.finished) == ([100], "t0 ", [-0.25], False)
+    assert rest.new_token_ids == [101, 102, 103, 104]
+    assert rest.new_text == "t1 t2 t3 t4 "
+    assert rest.logprobs == [-0.5, -0.75, -1.0, -1.25]
+    assert rest.top_logprobs == [[(101, -0.5)], [(102, -0.75)], [(103, -1.0)], [(104, -1.25)]]
+    assert (rest.finished, rest.finish_reason) == (True, "length")
+
+
+def test_what_was_merged_before_the_engine_failed_is_yielded_then_the_error_raised():
+    async def test(engine, core):
+        outputs = []
+        with pytest.raises(RuntimeError, match="the model crashed"):
+            async for output in engine.generate(engine_request("a", 10), stream_interval_s=3600):
+                outputs.append(output)
+        return outputs
+
+    outputs = run(test, FakeCoreFailingOnStep(failing_step=4))
+    assert [output.new_token_ids for output in outputs] == [[100], [101, 102]]
