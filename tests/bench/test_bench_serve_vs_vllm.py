@@ -1,4 +1,5 @@
 """benchmarks/bench_serve_vs_vllm.py's pure parts: the workloads it sends and the figures it computes."""
+import argparse
 import math
 import random
 
@@ -35,7 +36,7 @@ def test_prefix_repetition_prompts_share_one_of_the_prefixes_exactly_and_end_in_
 
 
 def test_the_workloads_are_the_burst_the_prefix_burst_and_other_prefixes_at_the_request_rate():
-    args = bench.argparse.Namespace(num_prompts=4, input_len=8, output_len=2, num_prefixes=2, prefix_len=16,
+    args = argparse.Namespace(num_prompts=4, input_len=8, output_len=2, num_prefixes=2, prefix_len=16,
                                     suffix_len=4, prefix_output_len=3, request_rate=3.0, seed=5)
     burst, prefix, paced = bench.make_workloads(args, vocab_size=500)
     assert [w.name for w in (burst, prefix, paced)] == ["burst", "prefix", "prefix@3/s"]
@@ -100,3 +101,10 @@ def test_the_offline_rows_set_each_all_at_once_workload_against_the_engine_on_it
         "| engine (LLM.generate) | burst | 2.00 | 20.0 | 0.80 |",
         "| engine (LLM.generate) | prefix | 2.00 | 5.0 | 0.80 |",
         "| projections alone | burst | 1.00 | 40.0 | 0.40 |"]
+
+
+def test_prefixserve_is_served_with_the_stream_interval_asked_for():
+    args = argparse.Namespace(threads=2, stream_interval_s=0.25, model=None, dtype="bfloat16", device=None)
+    command = bench.prefixserve_command(args, port=8100)
+    assert command[1:] == ["-m", "cluster.cli", "serve", "--replicas", "1", "--replica-cpus", "2", "--host",
+                           "127.0.0.1", "--port", "8100", "--stream-interval-s", "0.25", "--dtype", "bfloat16"]
