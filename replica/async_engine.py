@@ -142,14 +142,15 @@ class AsyncEngine:
         self._to_add.append((request, queue))
         self._wakeup.set()
         loop = asyncio.get_running_loop()
-        finished, yielded_at = False, -math.inf
+        finished, yielded_at, error = False, -math.inf, None
         try:
             while not finished:
                 output = await queue.get()
                 if isinstance(output, BaseException):
                     finished = True
                     raise output
-                output, error = await _merge_until(queue, output, yielded_at + stream_interval_s)
+                if stream_interval_s:  # by default every output goes out as it comes, with no merging to try
+                    output, error = await _merge_until(queue, output, yielded_at + stream_interval_s)
                 finished = output.finished or error is not None
                 yield output
                 yielded_at = loop.time()
