@@ -114,8 +114,9 @@ class EngineDeadError(RuntimeError):
 class AsyncEngine:
     def __init__(self, core: Core, *, after_step: Callable[[], None] | None = None,
                  idle_interval_s: float = 1.0):
-        """after_step runs on the event loop after every step, and every idle_interval_s when idle; the
-        next step waits for it, so it hands anything slow (publishing) to a task of its own."""
+        """after_step runs on the event loop after every step, and every idle_interval_s when idle (and when
+        the loop wakes for anything but a request); the next step waits for it, so it hands anything slow
+        (publishing) to a task of its own."""
         self.core = core
         self._after_step = after_step
         self._idle_interval_s = idle_interval_s
@@ -184,6 +185,8 @@ class AsyncEngine:
                 else:
                     await self._wait_for_work()
                     self.core.expire_pins()
+                    if self._to_add:
+                        continue  # a step follows at once, and the hook after it reports both
                 if self._after_step is not None:
                     self._run_after_step()
         except asyncio.CancelledError:

@@ -118,6 +118,22 @@ def test_after_step_runs_after_every_step_and_when_idle():
     assert core.num_idle_pin_sweeps == len(calls) - 3  # every idle heartbeat expires pins first
 
 
+def test_a_request_arriving_while_idle_runs_the_hook_after_its_step_only():
+    calls = []
+
+    def after_step():
+        calls.append(core.num_steps)
+
+    async def test(engine, core):
+        await asyncio.sleep(0.01)  # the loop waits for work; no heartbeat within the hour
+        await collect(engine, engine_request("a", 2))
+        await engine.call(lambda _: None)  # a wake for anything else runs it
+        return calls
+
+    core = FakeEngineCore()
+    assert run(test, core, after_step=after_step, idle_interval_s=3600) == [1, 2, 2]
+
+
 def test_a_failing_hook_does_not_stop_the_engine():
     def after_step():
         raise ConnectionError("router gone")
