@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="least seconds between two of a request's streamed outputs from its engine replica; "
                               "the tokens of the steps in between go out as one (default: %(default)s, every "
                               "step's tokens at once; Ray Serve LLM batches every 0.05 s)")
+    cluster.add_argument("--engine-transport", choices=["grpc", "ray"], default="grpc",
+                         help="how an ingress replica calls the engine replicas: Ray Serve's gRPC straight to the "
+                              "replica, or Ray actor tasks and object refs (default: %(default)s)")
     cluster.add_argument("--router-choice-temperature-tokens", type=float,
                          help="how far each router strays from the cheapest replica, in tokens of cost (0: never; "
                               "default: 0 with one ingress replica, 16 with more)")
@@ -130,7 +133,7 @@ def config_from_args(args: argparse.Namespace):
     return ClusterConfig(engine=engine, num_replicas=args.replicas, ingress_replicas=args.ingress_replicas,
                          autoscaling=autoscaling, routing=args.routing_policy,
                          router_sync_interval_s=args.router_sync_interval_s, publish_interval_s=args.publish_interval_s,
-                         stream_interval_s=args.stream_interval_s,
+                         stream_interval_s=args.stream_interval_s, engine_transport=args.engine_transport,
                          router_choice_temperature_tokens=args.router_choice_temperature_tokens,
                          api_key=args.api_key or os.environ.get(API_KEY_ENV),
                          replica_num_cpus=args.replica_cpus, replica_num_gpus=args.replica_gpus,

@@ -40,6 +40,12 @@ class ClusterConfig(pydantic.BaseModel):
     # output crosses two Ray hops (engine -> ingress -> proxy) that cost about a millisecond of CPU whatever it
     # carries; the tokens of the steps in between go out as one. The first and the last are never held back.
     stream_interval_s: float = pydantic.Field(0.0, ge=0)
+    # How an ingress replica calls the engine replicas: "grpc", Ray Serve's gRPC channel straight to the replica (the
+    # handles of its throughput-optimized mode), or "ray", Ray actor tasks whose outputs come back as object refs.
+    # gRPC costs less CPU per request (benchmarks/results/front-door.md); "ray" where the replicas' gRPC ports
+    # (any free port of their node) cannot be reached from the other nodes, or for prompts over about 790k tokens
+    # (gRPC takes messages of up to 4 MiB, Serve's RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH).
+    engine_transport: Literal["grpc", "ray"] = "grpc"
     # PolicyConfig.choice_temperature_tokens of every ingress replica's router; None: 0 with one ingress replica,
     # SEVERAL_ROUTERS_CHOICE_TEMPERATURE_TOKENS with more.
     router_choice_temperature_tokens: float | None = pydantic.Field(None, ge=0)

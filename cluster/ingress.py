@@ -2,6 +2,7 @@
 import asyncio
 from collections.abc import AsyncGenerator
 
+import grpc
 from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, ReplicaUnavailableError
@@ -18,10 +19,11 @@ from router.follower import running_follower
 
 
 class ServeEngineClient:
-    """The engine deployment as serving's EngineClient; requests go through PrefixAwareRequestRouter."""
+    """The engine deployment as serving's EngineClient; requests go through PrefixAwareRequestRouter. by_reference:
+    Ray actor tasks and object refs carry them (ClusterConfig.engine_transport "ray"), else Serve's gRPC."""
 
-    def __init__(self, handle: DeploymentHandle):
-        self._handle = handle.options(stream=True)
+    def __init__(self, handle: DeploymentHandle, *, by_reference: bool = False):
+        self._handle = handle.options(stream=True, _by_reference=by_reference)
 
     async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
         responses = None
@@ -37,6 +39,8 @@ class ServeEngineClient:
             raise EnginesBusy(exc.retry_after_s) from None
         except (RayActorError, ReplicaUnavailableError) as exc:  # died, unreachable, or removed by Serve
             raise ReplicaLost(str(exc)) from None
+        except grpc.aio.AioRpcError as exc:  # the gRPC stream broke in a way Serve passes on as it is
+            raise ReplicaLost(f"{exc.code().name}: {exc.details()}") from None
         finally:
             if responses is not None:
                 responses.cancel()  # also when the client went away: the replica aborts the request
@@ -49,7 +53,8 @@ class Ingress:
             engine.model_info.remote(), asyncio.to_thread(load_checkpoint, config.engine.model))
         self._app_name = serve.get_replica_context().app_name
         self._metrics = ServingMetrics()
-        self._serving = OpenAIServing(ServeEngineClient(engine), checkpoint.tokenizer, model, self._metrics,
+        client = ServeEngineClient(engine, by_reference=config.engine_transport == "ray")
+        self._serving = OpenAIServing(client, checkpoint.tokenizer, model, self._metrics,
                                       max_migrations=config.max_migrations)
         self._api_key = config.resolved_api_key()
         self._max_body_bytes = config.max_request_body_bytes

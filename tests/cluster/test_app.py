@@ -3,6 +3,7 @@ ingress's client of it."""
 import asyncio
 from types import SimpleNamespace
 
+import grpc
 import pydantic
 import pytest
 from ray.serve import Application
@@ -117,10 +118,20 @@ class BrokenStream:
         self.cancelled = True
 
 
-def engine_handle(responses) -> SimpleNamespace:
-    """A stand-in for the engine deployment's handle whose streaming calls all return responses."""
-    return SimpleNamespace(options=lambda stream: SimpleNamespace(generate=SimpleNamespace(
-        remote=lambda request: responses)))
+def engine_handle(responses, options: dict | None = None) -> SimpleNamespace:
+    """A stand-in for the engine deployment's handle whose streaming calls all return responses; the options the
+    client set go into options."""
+    def with_options(**given):
+        (options if options is not None else {}).update(given)
+        return SimpleNamespace(generate=SimpleNamespace(remote=lambda request: responses))
+    return SimpleNamespace(options=with_options)
+
+
+@pytest.mark.parametrize("by_reference", [False, True])
+def test_the_client_streams_over_grpc_unless_told_to_go_by_reference(by_reference):
+    options = {}
+    ServeEngineClient(engine_handle(None, options), by_reference=by_reference)
+    assert options == {"stream": True, "_by_reference": by_reference}
 
 
 def test_serves_backpressure_reaches_the_ingress_as_engines_busy():
@@ -133,6 +144,8 @@ def test_serves_backpressure_reaches_the_ingress_as_engines_busy():
     (ActorDiedError(), ReplicaLost),
     (ActorUnavailableError("Actor is unavailable.", None), ReplicaLost),
     (ReplicaUnavailableError("engine#abc"), ReplicaLost),
+    (grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(), "stream removed"),
+     ReplicaLost),
     (RayTaskError("generate", "traceback", ValueError("bad request")), ValueError),  # the engine's own: no move
 ])
 def test_a_lost_replica_reaches_the_ingress_as_replica_lost(error, raised):

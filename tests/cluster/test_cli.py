@@ -11,7 +11,8 @@ from router.policy import PolicyConfig
 SERVE_OPTIONS = {
     "-h", "--help", "--address", "--host", "--port", "--replicas", "--ingress-replicas", "--autoscale",
     "--placement-strategy", "--tensor-parallel-size", "--replica-cpus", "--replica-gpus", "--router-sync-interval-s",
-    "--router-choice-temperature-tokens", "--publish-interval-s", "--stream-interval-s", "--routing-policy",
+    "--router-choice-temperature-tokens", "--publish-interval-s", "--stream-interval-s", "--engine-transport",
+    "--routing-policy",
     "--max-waiting-requests", "--max-queued-requests", "--max-request-body-bytes",
     "--max-migrations", "--api-key", "--model", "--served-model-name", "--dtype", "--device", "--enforce-eager",
     "--num-kv-blocks",
@@ -38,10 +39,10 @@ def test_flags_reach_the_config(monkeypatch):
                    "least_loaded", "--no-prefix-caching", "--dtype", "float32", "--replica-cpus", "2")
     assert config.num_replicas == 3
     routers = parse("--ingress-replicas", "2", "--router-sync-interval-s", "0.05", "--publish-interval-s", "0.03",
-                    "--stream-interval-s", "0.2")
+                    "--stream-interval-s", "0.2", "--engine-transport", "ray")
     assert (routers.ingress_replicas, routers.router_sync_interval_s, routers.publish_interval_s,
-            routers.stream_interval_s) == (2, 0.05, 0.03, 0.2)
-    assert config.stream_interval_s == 0.0
+            routers.stream_interval_s, routers.engine_transport) == (2, 0.05, 0.03, 0.2, "ray")
+    assert (config.stream_interval_s, config.engine_transport) == (0.0, "grpc")
     assert config.routing == "least_loaded"
     assert config.api_key == "from-env"
     assert config.replica_num_cpus == 2.0

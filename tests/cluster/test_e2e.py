@@ -2,7 +2,8 @@
 
 One Ray cluster for the module. The app is first deployed with prefix routing from this process;
 the last but one test kills a replica mid-request; the last replaces the app with a round_robin one through
-`prefixserve serve --address ...` (joining this cluster) and stops that with SIGINT, as Ctrl-C would.
+`prefixserve serve --address ...` (joining this cluster), its ingress calling the engines by Ray actor calls instead
+of gRPC, and stops that with SIGINT, as Ctrl-C would.
 """
 import contextlib
 import json
@@ -219,14 +220,14 @@ def test_killing_the_replica_serving_a_stream_moves_the_request_unnoticed(base_u
         time.sleep(0.5)
 
 
-def test_round_robin_spreads_each_group(base_url, tmp_path):
+def test_round_robin_over_ray_actor_calls_spreads_each_group(base_url, tmp_path):
     # Deploy through the CLI, joining this cluster, then stop it as Ctrl-C would. It refuses to replace the app
     # this process deployed, which keeps serving; once that app is gone, it deploys its own.
     port = base_url.rsplit(":", 1)[1]
     engine_flags = ["--dtype", ENGINE["dtype"], "--num-kv-blocks", str(ENGINE["num_kv_blocks"]),
                     "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(ENGINE["max_num_seqs"])]
-    command = [sys.executable, "-m", "cluster.cli", "serve", "--routing-policy", "round_robin",
-               "--address", ray.get_runtime_context().gcs_address, "--port", port, *engine_flags]
+    command = [sys.executable, "-m", "cluster.cli", "serve", "--routing-policy", "round_robin", "--engine-transport",
+               "ray", "--address", ray.get_runtime_context().gcs_address, "--port", port, *engine_flags]
     refused = subprocess.run(command, capture_output=True, text=True, timeout=STARTUP_TIMEOUT_S)
     assert refused.returncode == 1
     assert refused.stderr.strip().splitlines()[-1] == (
