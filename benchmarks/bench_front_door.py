@@ -46,6 +46,7 @@ FIRST_TOKEN_ID = 2  # after BOS (0) and EOS (1)
 ENGINE = {"served_model_name": MODEL_NAME, "num_kv_blocks": 512, "max_model_len": 1024}
 VOCAB_SIZE = SHAPES["tiny"]["vocab_size"]
 CLIENT_TIMEOUT_S = 10
+TRANSPORTS = {"grpc": "Serve's gRPC channel", "ray": "Ray actor calls (Serve's default handle)"}
 
 
 @dataclass
@@ -284,10 +285,11 @@ def apps_to_measure(args: argparse.Namespace, scratch: Path) -> list[App]:
     engine = ENGINE | {"model": str(write_random_model(scratch / "tiny", "tiny"))}
     served = {"router_sync_interval_s": args.router_sync_interval_s} if args.router_sync_interval_s else {}
     num_cpus = replica_num_cpus(args.replicas)
-    apps = [App("bare Ray Serve", "bare", build_bare(args.replicas, num_cpus))]
+    bare_label = "bare Ray Serve" + (", gRPC handle" if args.bare_transport == "grpc" else "")
+    apps = [App(bare_label, "bare", build_bare(args.replicas, num_cpus, args.bare_transport))]
     for n in args.ingress_replicas:
         config = ClusterConfig(engine=engine, num_replicas=args.replicas, replica_num_cpus=num_cpus,
-                               ingress_replicas=n, **served)
+                               ingress_replicas=n, engine_transport=args.engine_transport, **served)
         apps.append(App(f"prefixserve, {n} ingress", f"ingress-{n}", build(config), config))
     return apps
 
@@ -453,7 +455,8 @@ def report(args: argparse.Namespace, rounds: list[list[Result]]) -> str:
         f"then {args.duration_s:g} s measured per app and round, {args.rounds} rounds (each round starts with the "
         f"next app in turn; the ratios are taken within a round), a fresh prompt of {args.prompt_tokens} random token "
         f"ids per request, max_tokens 1. {args.replicas} engine replicas of the tiny random model (bare app: {args.replicas} "
-        f"replicas yielding one chunk). The apps run side by side through the run, the load on one at a time. "
+        f"replicas yielding one chunk), called over {TRANSPORTS[args.engine_transport]} (bare app: "
+        f"{TRANSPORTS[args.bare_transport]}). The apps run side by side through the run, the load on one at a time. "
         f"CPU ms per request: user + system time of the measured app's processes and those every app shares "
         f"(Ray's and Serve's) during the measured window, over the requests answered in it.",
         rounds_table(rounds),
@@ -467,6 +470,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--replicas", type=int, default=2, help="engine replicas (bare app: chunk replicas)")
     parser.add_argument("--ingress-replicas", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--router-sync-interval-s", type=float, help="default: ClusterConfig's")
+    parser.add_argument("--engine-transport", choices=["grpc", "ray"], default="grpc",
+                        help="prefixserve's ingress-to-engine calls (ClusterConfig.engine_transport)")
+    parser.add_argument("--bare-transport", choices=["ray", "grpc"], default="ray",
+                        help="the bare app's ingress-to-chunk calls: ray (Serve's default handle) or grpc")
     parser.add_argument("--connections", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="wrk's threads")
     parser.add_argument("--duration-s", type=float, default=10.0, help="measured load on an app in a round")
