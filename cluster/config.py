@@ -37,7 +37,7 @@ class ClusterConfig(pydantic.BaseModel):
     # both sides a fixed 0.1-0.2 ms of CPU (router/wire.py), so a busy engine's steps go out coalesced.
     publish_interval_s: float = pydantic.Field(0.01, gt=0)
     # The least time between two of a request's outputs from its engine replica (0: each step's as it comes). Each
-    # output crosses two Ray hops (engine -> ingress -> proxy) that cost about a millisecond of CPU whatever it
+    # output crosses two hops (engine -> ingress -> proxy) that cost about a millisecond of CPU whatever it
     # carries; the tokens of the steps in between go out as one. The first and the last are never held back.
     stream_interval_s: float = pydantic.Field(0.0, ge=0)
     # How an ingress replica calls the engine replicas: "grpc", Ray Serve's gRPC channel straight to the replica (the
