@@ -43,14 +43,16 @@ class BareIngress:
         return bare_api(self._chunks.generate.remote)
 
 
-def build_bare(num_replicas: int, replica_num_cpus: float, transport: str = "ray") -> Application:
-    """One ingress (as prefixserve's default) in front of num_replicas chunk replicas. Both take as many
-    requests at once as prefixserve's ingress does: Serve's default (5) would queue them in the proxy.
-    transport: how the ingress calls the chunks, as prefixserve's ClusterConfig.engine_transport; "ray",
-    Serve's default handle, unless told otherwise."""
+def build_bare(num_replicas: int, replica_num_cpus: float, transport: str = "ray",
+               ingress_replicas: int = 1) -> Application:
+    """ingress_replicas ingress replicas (prefixserve's default: one) in front of num_replicas chunk replicas.
+    Both take as many requests at once as prefixserve's ingress does: Serve's default (5) would queue them in
+    the proxy. transport: how the ingress calls the chunks, as prefixserve's ClusterConfig.engine_transport;
+    "ray", Serve's default handle, unless told otherwise."""
     chunks = serve.deployment(OneChunk, name="chunks").options(
         num_replicas=num_replicas, max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
         ray_actor_options={"num_cpus": replica_num_cpus})
     ingress = serve.deployment(BareIngress, name="ingress").options(
-        max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS, ray_actor_options={"num_cpus": 0})
+        num_replicas=ingress_replicas, max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
+        ray_actor_options={"num_cpus": 0})
     return ingress.bind(chunks.bind(), transport == "ray")

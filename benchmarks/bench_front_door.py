@@ -3,8 +3,10 @@ bare Ray Serve app (benchmarks/bare_serve.py), the same load client for both, in
 
 Every request is POST /v1/completions with a fresh prompt of --prompt-tokens random token ids and
 max_tokens 1. prefixserve serves the tiny random model (benchmarks/random_model.py) on --replicas
-engine replicas, behind 1 and then 2 ingress replicas; the bare app has one ingress in front of
---replicas replicas that yield one chunk each. The apps run side by side, each at its own route
+engine replicas, behind 1 and then 2 ingress replicas; the bare app has its ingress replicas (1, and
+then 2: --bare-ingress-replicas) in front of --replicas replicas that yield one chunk each. The bare app
+with one ingress replica is the reference of every ratio; the bare app with two says what a second
+ingress process gives Ray Serve itself on this machine. The apps run side by side, each at its own route
 prefix, and stay up through the run; the load goes to one at a time: --warmup-s of it, then
 --duration-s measured, for each app in turn in each of --rounds rounds (each round starting with the
 next app). The machine's speed drifts by 10-30% over tens of seconds: a ratio is taken within a
@@ -72,6 +74,8 @@ class Result:
     load: Load
     cpu_ms_by_process: dict[str, float]  # CPU ms per request by kind of process
     steal: float | None = None  # the share of the machine's time its hypervisor took from it meanwhile
+    ingress_replicas: int = 1
+    bare: bool = False  # the bare Ray Serve app's, not prefixserve's
 
     @property
     def cpu_ms_per_request(self) -> float:
@@ -240,6 +244,7 @@ class App:
     label: str  # its rows' name in the report
     name: str  # its Serve app's, and its route prefix without the slash
     application: Any  # what serve.run takes
+    ingress_replicas: int
     config: Any = None  # prefixserve's ClusterConfig; None for the bare app
 
 
@@ -259,7 +264,7 @@ def measure(app: App, load_command, args: argparse.Namespace, owners: dict[int, 
     output = subprocess.run(load_command(app, args.duration_s), check=True, capture_output=True, text=True).stdout
     load = parse_wrk(output) if args.client == "wrk" else Load(**json.loads(output))
     result = Result(app.label, load, cpu_ms_by_kind(before, cpu_seconds(processes), kinds, load.requests),
-                    steal_share(machine_before, machine_times()))
+                    steal_share(machine_before, machine_times()), app.ingress_replicas, app.config is None)
     print(f"{app.label}: {load.requests_per_s:.0f} requests/s, {result.cpu_ms_per_request:.1f} CPU ms per request "
           f"over {len(processes)} processes", flush=True)
     return result
@@ -275,7 +280,7 @@ def check_answers(base_url: str) -> None:
 
 
 def apps_to_measure(args: argparse.Namespace, scratch: Path) -> list[App]:
-    """The bare app first, then prefixserve at each --ingress-replicas."""
+    """The bare app at each --bare-ingress-replicas first, then prefixserve at each --ingress-replicas."""
     from benchmarks.bare_serve import build_bare
     from benchmarks.live_app import replica_num_cpus
     from benchmarks.random_model import write_random_model
@@ -285,12 +290,13 @@ def apps_to_measure(args: argparse.Namespace, scratch: Path) -> list[App]:
     engine = ENGINE | {"model": str(write_random_model(scratch / "tiny", "tiny"))}
     served = {"router_sync_interval_s": args.router_sync_interval_s} if args.router_sync_interval_s else {}
     num_cpus = replica_num_cpus(args.replicas)
-    bare_label = "bare Ray Serve" + (", gRPC handle" if args.bare_transport == "grpc" else "")
-    apps = [App(bare_label, "bare", build_bare(args.replicas, num_cpus, args.bare_transport))]
+    handle = ", gRPC handle" if args.bare_transport == "grpc" else ""
+    apps = [App(f"bare Ray Serve, {n} ingress{handle}", f"bare-{n}",
+                build_bare(args.replicas, num_cpus, args.bare_transport, n), n) for n in args.bare_ingress_replicas]
     for n in args.ingress_replicas:
         config = ClusterConfig(engine=engine, num_replicas=args.replicas, replica_num_cpus=num_cpus,
                                ingress_replicas=n, engine_transport=args.engine_transport, **served)
-        apps.append(App(f"prefixserve, {n} ingress", f"ingress-{n}", build(config), config))
+        apps.append(App(f"prefixserve, {n} ingress", f"ingress-{n}", build(config), n, config))
     return apps
 
 
@@ -308,11 +314,11 @@ def router_actor_pid(app: App) -> int | None:
 
 
 def run_all(args: argparse.Namespace, scratch: Path) -> list[list[Result]]:
-    """--rounds rounds of every app, each round's results in the apps' order (bare first)."""
+    """--rounds rounds of every app, each round's results in the apps' order (the bare apps first)."""
     from benchmarks.live_app import local_serve
 
     seeds = itertools.count()  # no run repeats another's prompts
-    num_apps = 1 + len(args.ingress_replicas)
+    num_apps = len(args.bare_ingress_replicas) + len(args.ingress_replicas)
     with local_serve(num_cpus=num_apps * (os.cpu_count() or 1)) as run:
         apps = apps_to_measure(args, scratch)
         urls = {app.name: run(app.application, app.name, f"/{app.name}") for app in apps}
@@ -385,19 +391,21 @@ def _pooled(results: list[Result]) -> Result:
     load = Load(requests, sum(load.duration_s for load in loads), sum(load.non_2xx for load in loads),
                 sum(load.errors for load in loads), sum(load.timeouts for load in loads),
                 statistics.median(load.p50_ms for load in loads), statistics.median(load.p99_ms for load in loads))
-    return Result(results[0].app, load, cpu_ms)
+    first = results[0]
+    return Result(first.app, load, cpu_ms, ingress_replicas=first.ingress_replicas, bare=first.bare)
 
 
 def ratios(results: list[Result]) -> list[float]:
-    """One round's requests/s of every prefixserve app over the bare app's (the first)."""
+    """One round's requests/s of every app but the first over the first's (the bare app, 1 ingress)."""
     bare = results[0].load.requests_per_s
     return [result.load.requests_per_s / bare for result in results[1:]]
 
 
 def rounds_table(rounds: list[list[Result]]) -> str:
     served = [result.app for result in rounds[0][1:]]
-    rows = ["| round | bare req/s | " + " | ".join(f"{app} req/s (x bare)" for app in served) + " | CPU ms/request: "
-            + ", ".join(result.app for result in rounds[0]) + " | steal % in each app's window |",
+    rows = [f"| round | {rounds[0][0].app} req/s | " + " | ".join(f"{app} req/s (x bare)" for app in served)
+            + " | CPU ms/request: " + ", ".join(result.app for result in rounds[0])
+            + " | steal % in each app's window |",
             "|---" * (len(served) + 4) + "|"]
     for index, results in enumerate(rounds, 1):
         cells = [f"{result.load.requests_per_s:.0f} ({ratio:.2f})"
@@ -411,21 +419,37 @@ def rounds_table(rounds: list[list[Result]]) -> str:
 
 def verdict(rounds: list[list[Result]], min_ratio: float = 0.8) -> list[str]:
     """Whether the done-when of issue 29 holds, on the median over the rounds (each ratio taken within its
-    round): every prefixserve app at least min_ratio x the bare app's requests/s, and each one with more
-    ingress replicas at least as fast as the one before."""
-    served = [result.app for result in rounds[0][1:]]
-    by_app = list(zip(*(ratios(results) for results in rounds)))
+    round): every prefixserve app at least min_ratio x the first app's requests/s (the bare app with one
+    ingress replica), and each one with more ingress replicas at least as fast as the one before. Beside it,
+    each prefixserve app against the bare app with as many ingress replicas, and the bare app's own steps."""
+    apps = rounds[0]
+    by_app = [[1.0] * len(rounds)] + [list(app_ratios) for app_ratios in zip(*(ratios(results) for results in rounds))]
     lines = []
-    for app, app_ratios in zip(served, by_app):
-        median = statistics.median(app_ratios)
-        lines.append(f"{app}: {median:.2f}x the bare app's requests/s (median of {_listed(app_ratios)}), "
-                     f"{'meets' if median >= min_ratio else 'misses'} the {min_ratio}x bar")
-    for more in range(1, len(served)):
-        steps = [m / f for f, m in zip(by_app[more - 1], by_app[more])]
-        median = statistics.median(steps)
-        lines.append(f"{served[more]}: {median:.2f}x {served[more - 1]} (median of {_listed(steps)}), "
-                     f"{'as fast or faster' if median >= 1 else 'slower'}")
+    for index, app in enumerate(apps[1:], 1):
+        if not app.bare:
+            median = statistics.median(by_app[index])
+            lines.append(f"{app.app}: {median:.2f}x {apps[0].app} (median of {_listed(by_app[index])}), "
+                         f"{'meets' if median >= min_ratio else 'misses'} the {min_ratio}x bar")
+    for index, app in enumerate(apps):
+        peer = next((other for other, candidate in enumerate(apps[1:], 1) if candidate.bare and not app.bare
+                     and candidate.ingress_replicas == app.ingress_replicas), None)
+        if peer is not None:
+            lines.append(_step_line(app.app, apps[peer].app, by_app[peer], by_app[index]))
+    for before, after in zip(range(len(apps)), range(1, len(apps))):
+        if apps[before].bare == apps[after].bare:
+            lines.append(_step_line(apps[after].app, apps[before].app, by_app[before], by_app[after]))
     return lines
+
+
+def _step_line(app: str, reference: str, reference_ratios: list[float], app_ratios: list[float]) -> str:
+    steps = [mine / theirs for theirs, mine in zip(reference_ratios, app_ratios)]
+    median = statistics.median(steps)
+    return (f"{app}: {median:.2f}x {reference} (median of {_listed(steps)}), "
+            f"{'as fast or faster' if median >= 1 else 'slower'}")
+
+
+def _counted(counts: list[int]) -> str:
+    return " and ".join(map(str, counts))
 
 
 def _listed(values: list[float]) -> str:
@@ -454,8 +478,9 @@ def report(args: argparse.Namespace, rounds: list[list[Result]]) -> str:
         f"Machine: {machine()}. Load client: {client}, {args.connections} connections, {args.warmup_s:g} s of warm-up "
         f"then {args.duration_s:g} s measured per app and round, {args.rounds} rounds (each round starts with the "
         f"next app in turn; the ratios are taken within a round), a fresh prompt of {args.prompt_tokens} random token "
-        f"ids per request, max_tokens 1. {args.replicas} engine replicas of the tiny random model (bare app: {args.replicas} "
-        f"replicas yielding one chunk), called over {TRANSPORTS[args.engine_transport]} (bare app: "
+        f"ids per request, max_tokens 1. {args.replicas} engine replicas of the tiny random model (bare app: "
+        f"{args.replicas} replicas yielding one chunk, behind {_counted(args.bare_ingress_replicas)} ingress "
+        f"replicas), called over {TRANSPORTS[args.engine_transport]} (bare app: "
         f"{TRANSPORTS[args.bare_transport]}). The apps run side by side through the run, the load on one at a time. "
         f"CPU ms per request: user + system time of the measured app's processes and those every app shares "
         f"(Ray's and Serve's) during the measured window, over the requests answered in it.",
@@ -469,6 +494,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--replicas", type=int, default=2, help="engine replicas (bare app: chunk replicas)")
     parser.add_argument("--ingress-replicas", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--bare-ingress-replicas", type=int, nargs="+", default=[1, 2],
+                        help="the bare app's ingress replicas, one app each; the first is every ratio's reference")
     parser.add_argument("--router-sync-interval-s", type=float, help="default: ClusterConfig's")
     parser.add_argument("--engine-transport", choices=["grpc", "ray"], default="grpc",
                         help="prefixserve's ingress-to-engine calls (ClusterConfig.engine_transport)")

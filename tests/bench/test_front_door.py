@@ -47,8 +47,9 @@ def test_cpu_ms_per_request_by_kind_leaves_out_processes_that_came_or_went():
 
 
 def result(app: str, requests: int, cpu_ms_by_process: dict[str, float] | None = None,
-           steal: float | None = None) -> bench.Result:
-    return bench.Result(app, bench.Load(requests, 10.0, 0, 0, 0, 1.0, 2.0), cpu_ms_by_process or {}, steal)
+           steal: float | None = None, ingress_replicas: int = 1) -> bench.Result:
+    return bench.Result(app, bench.Load(requests, 10.0, 0, 0, 0, 1.0, 2.0), cpu_ms_by_process or {}, steal,
+                        ingress_replicas, bare=app.startswith("bare"))
 
 
 def test_cpu_table_puts_the_busiest_kinds_first_with_a_column_per_app():
@@ -61,22 +62,34 @@ def test_cpu_table_puts_the_busiest_kinds_first_with_a_column_per_app():
         "| router | 0.00 | 0.50 |"])
 
 
-def rounds_of(requests: list[list[int]]) -> list[list[bench.Result]]:
-    """Rounds of the apps bare, one and two, each app's CPU ms per request in the "proxy" process."""
-    return [[result(app, count, {"proxy": cpu})
-             for app, count, cpu in zip(("bare", "one", "two"), counts, (10, 12, 13))] for counts in requests]
+def rounds_of(requests: list[list[int]], apps: tuple[str, ...] = ("bare", "one", "two")) -> list[list[bench.Result]]:
+    """Rounds of the apps (by default bare, one and two), each app's CPU ms per request in the "proxy" process;
+    an app named two runs two ingress replicas."""
+    return [[result(app, count, {"proxy": cpu}, ingress_replicas=2 if app.endswith("two") else 1)
+             for app, count, cpu in zip(apps, counts, (10, 12, 13, 14))] for counts in requests]
 
 
 def test_verdict_takes_each_ratio_within_its_round_and_judges_the_median():
     rounds = rounds_of([[1000, 800, 850], [900, 630, 600], [1200, 1080, 1000]])
     assert bench.verdict(rounds) == [
-        "one: 0.80x the bare app's requests/s (median of 0.80, 0.70, 0.90), meets the 0.8x bar",
-        "two: 0.83x the bare app's requests/s (median of 0.85, 0.67, 0.83), meets the 0.8x bar",
+        "one: 0.80x bare (median of 0.80, 0.70, 0.90), meets the 0.8x bar",
+        "two: 0.83x bare (median of 0.85, 0.67, 0.83), meets the 0.8x bar",
         "two: 0.95x one (median of 1.06, 0.95, 0.93), slower",
     ]
     assert bench.verdict(rounds_of([[2000, 1500, 1600]]))[1:] == [
-        "two: 0.80x the bare app's requests/s (median of 0.80), meets the 0.8x bar",
+        "two: 0.80x bare (median of 0.80), meets the 0.8x bar",
         "two: 1.07x one (median of 1.07), as fast or faster"]
+
+
+def test_verdict_sets_each_app_beside_the_bare_app_with_as_many_ingress_replicas_and_steps_each_kind():
+    rounds = rounds_of([[1000, 800, 850, 720], [900, 810, 600, 630]], apps=("bare", "bare two", "one", "two"))
+    assert bench.verdict(rounds) == [
+        "one: 0.76x bare (median of 0.85, 0.67), misses the 0.8x bar",
+        "two: 0.71x bare (median of 0.72, 0.70), misses the 0.8x bar",
+        "two: 0.84x bare two (median of 0.90, 0.78), slower",
+        "bare two: 0.85x bare (median of 0.80, 0.90), slower",
+        "two: 0.95x one (median of 0.85, 1.05), slower",
+    ]
 
 
 def test_rounds_table_has_a_row_per_round_with_its_own_ratios_and_each_windows_steal():
