@@ -31,7 +31,6 @@ from benchmarks.timing import timed  # noqa: E402
 from kernels.ops import KernelOps  # noqa: E402
 from replica.engine import EngineConfig, EngineCore  # noqa: E402
 from replica.executor import model_runner  # noqa: E402
-from replica.executor.model import LlamaForCausalLM  # noqa: E402
 from replica.executor.packed_linear import PackedLinear  # noqa: E402
 from replica.request import SamplingParams  # noqa: E402
 
