@@ -358,7 +358,8 @@ def table(results: list[Result]) -> str:
             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for result in results:
         load = result.load
-        rows.append(f"| {result.app} | {load.requests_per_s:.0f} | {load.requests_per_s / bare.load.requests_per_s:.2f} "
+        rate = load.requests_per_s
+        rows.append(f"| {result.app} | {rate:.0f} | {rate / bare.load.requests_per_s:.2f} "
                     f"| {load.requests} | {load.non_2xx} | {load.errors} | {load.timeouts} | {load.p50_ms:.1f} "
                     f"| {load.p99_ms:.1f} | {result.cpu_ms_per_request:.2f} "
                     f"| {result.cpu_ms_per_request / bare.cpu_ms_per_request:.2f} |")
