@@ -431,12 +431,13 @@ def verdict(rounds: list[list[Result]], min_ratio: float = 0.8) -> list[str]:
             median = statistics.median(by_app[index])
             lines.append(f"{app.app}: {median:.2f}x {apps[0].app} (median of {_listed(by_app[index])}), "
                          f"{'meets' if median >= min_ratio else 'misses'} the {min_ratio}x bar")
+    bare_by_ingress = {app.ingress_replicas: index for index, app in enumerate(apps) if app.bare and index}
     for index, app in enumerate(apps):
-        peer = next((other for other, candidate in enumerate(apps[1:], 1) if candidate.bare and not app.bare
-                     and candidate.ingress_replicas == app.ingress_replicas), None)
-        if peer is not None:
+        peer = bare_by_ingress.get(app.ingress_replicas)
+        if not app.bare and peer is not None:
             lines.append(_step_line(app.app, apps[peer].app, by_app[peer], by_app[index]))
-    for before, after in zip(range(len(apps)), range(1, len(apps))):
+    for before in range(len(apps) - 1):
+        after = before + 1
         if apps[before].bare == apps[after].bare:
             lines.append(_step_line(apps[after].app, apps[before].app, by_app[before], by_app[after]))
     return lines
