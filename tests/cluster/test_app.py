@@ -121,8 +121,10 @@ class BrokenStream:
 def engine_handle(responses, options: dict | None = None) -> SimpleNamespace:
     """A stand-in for the engine deployment's handle whose streaming calls all return responses; the options the
     client set go into options."""
+    options = {} if options is None else options
+
     def with_options(**given):
-        (options if options is not None else {}).update(given)
+        options.update(given)
         return SimpleNamespace(generate=SimpleNamespace(remote=lambda request: responses))
     return SimpleNamespace(options=with_options)
 

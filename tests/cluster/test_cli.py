@@ -14,9 +14,9 @@ SERVE_OPTIONS = {
     "--router-choice-temperature-tokens", "--publish-interval-s", "--stream-interval-s", "--engine-transport",
     "--routing-policy", "--max-waiting-requests", "--max-queued-requests", "--max-request-body-bytes",
     "--max-migrations", "--api-key", "--model", "--served-model-name", "--dtype", "--device", "--enforce-eager",
-    "--num-kv-blocks", "--kv-cache-gib", "--block-size", "--no-prefix-caching", "--max-num-seqs", "--max-num-batched-tokens",
-    "--max-model-len", "--long-prefill-token-threshold", "--async-scheduling", "--no-async-scheduling",
-    "--queue-policy", "--policy", "--num-speculative-tokens", "--ngram-min", "--ngram-max",
+    "--num-kv-blocks", "--kv-cache-gib", "--block-size", "--no-prefix-caching", "--max-num-seqs",
+    "--max-num-batched-tokens", "--max-model-len", "--long-prefill-token-threshold", "--async-scheduling",
+    "--no-async-scheduling", "--queue-policy", "--policy", "--num-speculative-tokens", "--ngram-min", "--ngram-max",
 }
 
 
