@@ -1,9 +1,12 @@
 """The bare Ray Serve app that bench_front_door.py measures prefixserve against: a FastAPI ingress reads
-the JSON body, streams one chunk from another deployment through a DeploymentHandle and answers a
-small OpenAI-like completion. No tokenizing, no routing policy, no engine."""
+the JSON body, streams a chunk a token (max_tokens) from another deployment through a DeploymentHandle
+and answers a small OpenAI-like completion, or streams each chunk on as a server-sent event. No
+tokenizing, no routing policy, no engine."""
+import json
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
 from ray import serve
 from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
@@ -16,22 +19,33 @@ CHUNK = "<7>"
 def bare_api(stream: Callable[[dict], AsyncIterator[str]]) -> FastAPI:
     app = FastAPI(openapi_url=None)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> dict:
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: Request) -> dict | StreamingResponse:
         body = await request.json()
-        text = "".join([chunk async for chunk in stream(body)])
+        if body.get("stream"):
+            return StreamingResponse(_events(body["model"], stream(body)), media_type="text/event-stream")
+        chunks = [chunk async for chunk in stream(body)]
         num_prompt_tokens = len(body["prompt"])
         return {"id": "cmpl-bare", "object": "text_completion", "model": body["model"],
-                "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
-                "usage": {"prompt_tokens": num_prompt_tokens, "completion_tokens": 1,
-                          "total_tokens": num_prompt_tokens + 1}}
+                "choices": [{"index": 0, "text": "".join(chunks), "finish_reason": "length"}],
+                "usage": {"prompt_tokens": num_prompt_tokens, "completion_tokens": len(chunks),
+                          "total_tokens": num_prompt_tokens + len(chunks)}}
 
     return app
 
 
-class OneChunk:
+async def _events(model: str, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    async for chunk in chunks:
+        event = {"id": "cmpl-bare", "object": "text_completion", "model": model,
+                 "choices": [{"index": 0, "text": chunk, "finish_reason": None}]}
+        yield f"data: {json.dumps(event)}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+class Chunks:
     async def generate(self, body: dict) -> AsyncIterator[str]:
-        yield CHUNK
+        for _ in range(body["max_tokens"]):
+            yield CHUNK
 
 
 @serve.ingress()
@@ -49,7 +63,7 @@ def build_bare(num_replicas: int, replica_num_cpus: float, transport: str = "ray
     Both take as many requests at once as prefixserve's ingress does: Serve's default (5) would queue them in
     the proxy. transport: how the ingress calls the chunks, as prefixserve's ClusterConfig.engine_transport;
     "ray", Serve's default handle, unless told otherwise."""
-    chunks = serve.deployment(OneChunk, name="chunks").options(
+    chunks = serve.deployment(Chunks, name="chunks").options(
         num_replicas=num_replicas, max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
         ray_actor_options={"num_cpus": replica_num_cpus})
     ingress = serve.deployment(BareIngress, name="ingress").options(

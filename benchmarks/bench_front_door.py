@@ -2,11 +2,12 @@
 bare Ray Serve app (benchmarks/bare_serve.py), the same load client for both, in one run.
 
 Every request is POST /v1/completions with a fresh prompt of --prompt-tokens random token ids and
-max_tokens 1. prefixserve serves the tiny random model (benchmarks/random_model.py) on --replicas
-engine replicas, behind 1 and then 2 ingress replicas; the bare app has its ingress replicas (1, and
-then 2: --bare-ingress-replicas) in front of --replicas replicas that yield one chunk each. The bare app
-with one ingress replica is the reference of every ratio; the bare app with two says what a second
-ingress process gives Ray Serve itself on this machine. The apps run side by side, each at its own route
+--max-tokens (1; more are all generated: ignore_eos), streamed with --stream. prefixserve serves the
+tiny random model (benchmarks/random_model.py) on --replicas engine replicas, behind 1 and then 2
+ingress replicas; the bare app has its ingress replicas (1, and then 2: --bare-ingress-replicas) in
+front of --replicas replicas that yield a chunk a token. The bare app with one ingress replica is the
+reference of every ratio; the bare app with two says what a second ingress process gives Ray Serve
+itself on this machine. The apps run side by side, each at its own route
 prefix, and stay up through the run; the load goes to one at a time: --warmup-s of it, then
 --duration-s measured, for each app in turn in each of --rounds rounds (each round starting with the
 next app). The machine's speed drifts by 10-30% over tens of seconds: a ratio is taken within a
@@ -96,15 +97,24 @@ end
 function request()
   local ids = {}
   for i = 1, %(prompt_tokens)d do ids[i] = math.random(%(first_id)d, %(last_id)d) end
-  local body = '{"model":"%(model)s","max_tokens":1,"prompt":[' .. table.concat(ids, ",") .. ']}'
+  local body = '%(fields)s,"prompt":[' .. table.concat(ids, ",") .. ']}'
   return wrk.format("POST", "%(path)s", {["Content-Type"] = "application/json"}, body)
 end
 """
 
 
-def wrk_script(prompt_tokens: int, route_prefix: str = "") -> str:
+def request_fields(max_tokens: int = 1, stream: bool = False) -> dict:
+    """Every request's body but its prompt."""
+    fields = {"model": MODEL_NAME, "max_tokens": max_tokens}
+    if max_tokens > 1:
+        fields["ignore_eos"] = True  # the random model's tokens may be its EOS
+    return fields | ({"stream": True} if stream else {})
+
+
+def wrk_script(prompt_tokens: int, route_prefix: str = "", fields: dict | None = None) -> str:
+    opening = json.dumps(fields or request_fields(), separators=(",", ":")).removesuffix("}")
     return WRK_SCRIPT % {"prompt_tokens": prompt_tokens, "first_id": FIRST_TOKEN_ID, "last_id": VOCAB_SIZE - 1,
-                         "model": MODEL_NAME, "path": f"{route_prefix}/v1/completions"}
+                         "fields": opening, "path": f"{route_prefix}/v1/completions"}
 
 
 _WRK_UNITS_MS = {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 60e3}
@@ -133,7 +143,8 @@ def wrk_command(base_url: str, script: Path, args: argparse.Namespace, duration_
 
 # ---- the httpx client, when there is no wrk
 
-async def httpx_load(base_url: str, connections: int, duration_s: float, prompt_tokens: int, seed: int) -> Load:
+async def httpx_load(base_url: str, connections: int, duration_s: float, prompt_tokens: int, fields: dict,
+                     seed: int) -> Load:
     import httpx
 
     rng = random.Random(seed)
@@ -143,8 +154,7 @@ async def httpx_load(base_url: str, connections: int, duration_s: float, prompt_
 
     async def connection(client: httpx.AsyncClient) -> None:
         while time.monotonic() < deadline:
-            body = {"model": MODEL_NAME, "max_tokens": 1,
-                    "prompt": [rng.randrange(FIRST_TOKEN_ID, VOCAB_SIZE) for _ in range(prompt_tokens)]}
+            body = fields | {"prompt": [rng.randrange(FIRST_TOKEN_ID, VOCAB_SIZE) for _ in range(prompt_tokens)]}
             sent = time.monotonic()
             try:
                 response = await client.post("/v1/completions", json=body)
@@ -167,7 +177,8 @@ async def httpx_load(base_url: str, connections: int, duration_s: float, prompt_
 
 def httpx_command(base_url: str, args: argparse.Namespace, duration_s: float, seed: int) -> list[str]:
     return [sys.executable, __file__, "--httpx-client", base_url, "--connections", str(args.connections),
-            "--duration-s", str(duration_s), "--prompt-tokens", str(args.prompt_tokens), "--seed", str(seed)]
+            "--duration-s", str(duration_s), "--prompt-tokens", str(args.prompt_tokens),
+            "--max-tokens", str(args.max_tokens), *(["--stream"] if args.stream else []), "--seed", str(seed)]
 
 
 # ---- CPU accounting
@@ -270,10 +281,10 @@ def measure(app: App, load_command, args: argparse.Namespace, owners: dict[int, 
     return result
 
 
-def check_answers(base_url: str) -> None:
+def check_answers(base_url: str, fields: dict) -> None:
     import httpx
 
-    body = {"model": MODEL_NAME, "max_tokens": 1, "prompt": list(range(FIRST_TOKEN_ID, FIRST_TOKEN_ID + 32))}
+    body = fields | {"prompt": list(range(FIRST_TOKEN_ID, FIRST_TOKEN_ID + 32))}
     response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=60)
     if response.status_code != 200:
         raise RuntimeError(f"{base_url} answered {response.status_code}: {response.text}")
@@ -323,8 +334,9 @@ def run_all(args: argparse.Namespace, scratch: Path) -> list[list[Result]]:
         apps = apps_to_measure(args, scratch)
         urls = {app.name: run(app.application, app.name, f"/{app.name}") for app in apps}
         scripts = {app.name: scratch / f"{app.name}.lua" for app in apps} if args.client == "wrk" else {}
+        fields = request_fields(args.max_tokens, args.stream)
         for name, script in scripts.items():
-            script.write_text(wrk_script(args.prompt_tokens, f"/{name}"))
+            script.write_text(wrk_script(args.prompt_tokens, f"/{name}", fields))
 
         def load_command(app: App, duration_s: float) -> list[str]:
             if scripts:
@@ -332,7 +344,7 @@ def run_all(args: argparse.Namespace, scratch: Path) -> list[list[Result]]:
             return httpx_command(urls[app.name], args, duration_s, next(seeds))
 
         for url in urls.values():
-            check_answers(url)
+            check_answers(url, fields)
         owners = {pid: app.name for app in apps if (pid := router_actor_pid(app)) is not None}
         rounds = []
         for index in range(args.rounds):
@@ -480,10 +492,11 @@ def report(args: argparse.Namespace, rounds: list[list[Result]]) -> str:
         f"Machine: {machine()}. Load client: {client}, {args.connections} connections, {args.warmup_s:g} s of warm-up "
         f"then {args.duration_s:g} s measured per app and round, {args.rounds} rounds (each round starts with the "
         f"next app in turn; the ratios are taken within a round), a fresh prompt of {args.prompt_tokens} random token "
-        f"ids per request, max_tokens 1. {args.replicas} engine replicas of the tiny random model (bare app: "
-        f"{args.replicas} replicas yielding one chunk, behind {_counted(args.bare_ingress_replicas)} ingress "
-        f"replicas), called over {TRANSPORTS[args.engine_transport]} (bare app: "
-        f"{TRANSPORTS[args.bare_transport]}). The apps run side by side through the run, the load on one at a time. "
+        f"ids per request, max_tokens {args.max_tokens}{', streamed' if args.stream else ''}. {args.replicas} "
+        f"engine replicas of the tiny random model (bare app: {args.replicas} replicas yielding a chunk a token, "
+        f"behind {_counted(args.bare_ingress_replicas)} ingress replicas), called over "
+        f"{TRANSPORTS[args.engine_transport]} (bare app: {TRANSPORTS[args.bare_transport]}). The apps run side by "
+        f"side through the run, the load on one at a time. "
         f"CPU ms per request: user + system time of the measured app's processes and those every app shares "
         f"(Ray's and Serve's) during the measured window, over the requests answered in it.",
         rounds_table(rounds),
@@ -509,6 +522,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup-s", type=float, default=2.0, help="load on an app before each measured window")
     parser.add_argument("--rounds", type=int, default=10, help="times every app is measured, in turn")
     parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=1, help="tokens each request generates, all of them")
+    parser.add_argument("--stream", action="store_true", help="stream the responses (server-sent events)")
     parser.add_argument("--client", choices=["wrk", "httpx"], default="wrk" if shutil.which("wrk") else "httpx")
     parser.add_argument("--markdown", help="write the command, machine, table and verdict here")
     parser.add_argument("--httpx-client", metavar="BASE_URL",
@@ -521,7 +536,7 @@ def main() -> None:
     args = parse_args()
     if args.httpx_client:
         load = asyncio.run(httpx_load(args.httpx_client, args.connections, args.duration_s, args.prompt_tokens,
-                                      args.seed))
+                                      request_fields(args.max_tokens, args.stream), args.seed))
         print(json.dumps(asdict(load)))
         return
     if args.client == "httpx":

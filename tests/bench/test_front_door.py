@@ -1,5 +1,7 @@
 """benchmarks/bench_front_door.py without Ray: wrk's report, the CPU arithmetic, the verdict, and the bare
 app's handler."""
+import json
+
 from fastapi.testclient import TestClient
 
 from benchmarks import bench_front_door as bench
@@ -146,7 +148,10 @@ def test_each_round_starts_with_the_next_app():
 def test_wrk_script_sends_fresh_token_ids_in_the_tiny_vocabulary():
     script = bench.wrk_script(prompt_tokens=32)
     assert "for i = 1, 32 do ids[i] = math.random(2, 4095) end" in script
-    assert '{"model":"tiny","max_tokens":1,"prompt":[' in script
+    assert 'local body = \'{"model":"tiny","max_tokens":1,"prompt":[\' .. table.concat(ids, ",") .. \']}\'' in script
+    streamed = bench.wrk_script(prompt_tokens=8, route_prefix="/x", fields=bench.request_fields(64, stream=True))
+    assert '\'{"model":"tiny","max_tokens":64,"ignore_eos":true,"stream":true,"prompt":[\'' in streamed
+    assert '"/x/v1/completions"' in streamed
 
 
 def test_bare_app_streams_its_chunks_into_an_openai_like_completion():
@@ -164,3 +169,20 @@ def test_bare_app_streams_its_chunks_into_an_openai_like_completion():
         "choices": [{"index": 0, "text": "<7>", "finish_reason": "length"}],
         "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}
     assert seen == [{"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 1}]
+
+
+def test_bare_app_streams_a_chunk_a_token_as_server_sent_events():
+    async def stream(body: dict):
+        for token in range(body["max_tokens"]):
+            yield f"<{token}>"
+
+    client = TestClient(bare_api(stream))
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 3}
+    assert client.post("/v1/completions", json=body).json()["usage"] == {
+        "prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    response = client.post("/v1/completions", json=body | {"stream": True})
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = response.text.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    assert [json.loads(event.removeprefix("data: "))["choices"][0]["text"] for event in events[:-2]] == [
+        "<0>", "<1>", "<2>"]
