@@ -27,10 +27,19 @@ def build_app(args: dict[str, Any]) -> Application:
 
 def build(config: ClusterConfig) -> Application:
     engine = serve.deployment(EngineReplica, name="engine").options(**engine_options(config))
-    ingress = serve.deployment(Ingress, name="ingress").options(
-        num_replicas=config.ingress_replicas, max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
-        ray_actor_options={"num_cpus": 0}, logging_config=REPLICA_LOGGING)
+    ingress = serve.deployment(Ingress, name="ingress").options(**ingress_options(config))
     return ingress.bind(engine.bind(config), config)
+
+
+def ingress_options(config: ClusterConfig) -> dict[str, Any]:
+    options = {"max_ongoing_requests": INGRESS_MAX_ONGOING_REQUESTS, "ray_actor_options": {"num_cpus": 0},
+               "logging_config": REPLICA_LOGGING}
+    if config.ingress_autoscaling is None:
+        options["num_replicas"] = config.ingress_replicas
+    else:
+        options["autoscaling_config"] = config.ingress_autoscaling.model_dump() | {
+            "initial_replicas": config.ingress_replicas}
+    return options
 
 
 def engine_options(config: ClusterConfig) -> dict[str, Any]:

@@ -28,6 +28,12 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--replicas", type=int, default=2, help="engine replicas (default: %(default)s)")
     cluster.add_argument("--ingress-replicas", type=int, default=1,
                          help="HTTP ingress replicas, each routing requests in its own process (default: %(default)s)")
+    cluster.add_argument("--ingress-autoscale", type=int, nargs=2, metavar=("MIN", "MAX"),
+                         help="scale the ingress replicas between MIN and MAX on their ongoing requests (Serve's "
+                              "autoscaling; starts at --ingress-replicas)")
+    cluster.add_argument("--ingress-target-ongoing-requests", type=float, default=16.0,
+                         help="ongoing requests per ingress replica that --ingress-autoscale aims at "
+                              "(default: %(default)s)")
     cluster.add_argument("--autoscale", type=int, nargs=2, metavar=("MIN", "MAX"),
                          help="scale the engine replicas between MIN and MAX on preemptions (starts at --replicas)")
     cluster.add_argument("--replica-cpus", type=float, default=1.0,
@@ -54,14 +60,15 @@ def build_parser() -> argparse.ArgumentParser:
                               "replica, or Ray actor tasks and object refs (default: %(default)s)")
     cluster.add_argument("--router-choice-temperature-tokens", type=float,
                          help="how far each router strays from the cheapest replica, in tokens of cost (0: never; "
-                              "default: 0 with one ingress replica, 16 with more)")
+                              "default: 0 with one ingress replica, 16 with more or with --ingress-autoscale to more)")
     cluster.add_argument("--routing-policy", choices=["prefix", "round_robin", "least_loaded"], default="prefix",
                          help="how requests are spread over the replicas (default: %(default)s)")
     cluster.add_argument("--max-waiting-requests", type=int, default=256,
                          help="requests a replica takes beyond --max-num-seqs; more wait in the ingress "
                               "(default: %(default)s)")
     cluster.add_argument("--max-queued-requests", type=int, default=1024,
-                         help="requests the ingress holds while no replica has room; more get 429 (default: %(default)s)")
+                         help="requests the ingress holds while no replica has room; more get 429 "
+                              "(default: %(default)s)")
     cluster.add_argument("--max-request-body-bytes", type=int, default=4 * 2**20,
                          help="larger request bodies get 413 (default: %(default)s)")
     cluster.add_argument("--max-migrations", type=int, default=2,
@@ -85,13 +92,16 @@ def build_parser() -> argparse.ArgumentParser:
     cache = serve.add_argument_group("KV cache")
     size = cache.add_mutually_exclusive_group()
     size.add_argument("--num-kv-blocks", type=int, help="KV cache size in blocks, per replica")
-    size.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache size in GiB, per replica (default: %(default)s)")
+    size.add_argument("--kv-cache-gib", type=float, default=1.0,
+                      help="KV cache size in GiB, per replica (default: %(default)s)")
     cache.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
     cache.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
 
     scheduler = serve.add_argument_group("scheduler")
-    scheduler.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once, per replica (default: %(default)s)")
-    scheduler.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget of one step (default: %(default)s)")
+    scheduler.add_argument("--max-num-seqs", type=int, default=256,
+                           help="requests running at once, per replica (default: %(default)s)")
+    scheduler.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                           help="token budget of one step (default: %(default)s)")
     scheduler.add_argument("--max-model-len", type=int, help="longest prompt + output (default: the model's context)")
     scheduler.add_argument("--long-prefill-token-threshold", type=int, default=0,
                            help="prefill chunk cap for long prompts (default: %(default)s, off)")
@@ -102,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     spec = serve.add_argument_group("speculative decoding (n-gram prompt lookup)")
     spec.add_argument("--num-speculative-tokens", type=int, default=0,
-                      help="draft tokens per request and step, verified in one forward pass (default: %(default)s, off)")
+                      help="draft tokens per request and step, verified in one forward pass "
+                           "(default: %(default)s, off)")
     spec.add_argument("--ngram-min", type=int, default=1,
                       help="shortest suffix of a request's tokens looked up for drafts (default: %(default)s)")
     spec.add_argument("--ngram-max", type=int, default=4,
@@ -129,9 +140,15 @@ def config_from_args(args: argparse.Namespace):
     if args.autoscale:
         min_replicas, max_replicas = args.autoscale
         autoscaling = {"min_replicas": min_replicas, "max_replicas": max_replicas,
-                       "initial_replicas": min(max(args.replicas, min_replicas), max_replicas)}
-    return ClusterConfig(engine=engine, num_replicas=args.replicas, ingress_replicas=args.ingress_replicas,
-                         autoscaling=autoscaling, routing=args.routing_policy,
+                       "initial_replicas": _within(args.replicas, args.autoscale)}
+    ingress_replicas, ingress_autoscaling = args.ingress_replicas, None
+    if args.ingress_autoscale:
+        ingress_replicas = _within(args.ingress_replicas, args.ingress_autoscale)
+        min_replicas, max_replicas = args.ingress_autoscale
+        ingress_autoscaling = {"min_replicas": min_replicas, "max_replicas": max_replicas,
+                               "target_ongoing_requests": args.ingress_target_ongoing_requests}
+    return ClusterConfig(engine=engine, num_replicas=args.replicas, ingress_replicas=ingress_replicas,
+                         ingress_autoscaling=ingress_autoscaling, autoscaling=autoscaling, routing=args.routing_policy,
                          router_sync_interval_s=args.router_sync_interval_s, publish_interval_s=args.publish_interval_s,
                          stream_interval_s=args.stream_interval_s, engine_transport=args.engine_transport,
                          router_choice_temperature_tokens=args.router_choice_temperature_tokens,
@@ -140,6 +157,12 @@ def config_from_args(args: argparse.Namespace):
                          placement_strategy=args.placement_strategy,
                          max_waiting_requests=args.max_waiting_requests, max_queued_requests=args.max_queued_requests,
                          max_request_body_bytes=args.max_request_body_bytes, max_migrations=args.max_migrations)
+
+
+def _within(replicas: int, bounds: list[int]) -> int:
+    """Where a deployment that autoscales between bounds (min, max) starts: the count asked for, moved inside them."""
+    min_replicas, max_replicas = bounds
+    return min(max(replicas, min_replicas), max_replicas)
 
 
 def serve_until_interrupted(config, *, address: str | None, host: str, port: int) -> None:

@@ -13,6 +13,21 @@ API_KEY_ENV = "PREFIXSERVE_API_KEY"
 # temperature, they spread a burst that all of them would send to the one cheapest replica
 # (benchmarks/results/routing-sim-routers.md, "Choice temperature").
 SEVERAL_ROUTERS_CHOICE_TEMPERATURE_TOKENS = 16.0
+# Each streamed output costs an ingress replica about half a millisecond of CPU (benchmarks/results/front-door.md,
+# "Streamed responses"): 16 requests streaming 60 tokens a second each keep about half a core busy.
+INGRESS_TARGET_ONGOING_REQUESTS = 16.0
+
+
+class IngressAutoscaling(pydantic.BaseModel):
+    """Serve's own autoscaling of the ingress deployment on its replicas' ongoing requests (AutoscalingConfig's
+    fields of the same names); it starts at ClusterConfig.ingress_replicas."""
+    model_config = pydantic.ConfigDict(extra="forbid")
+
+    min_replicas: pydantic.PositiveInt = 1
+    max_replicas: pydantic.PositiveInt = 4
+    target_ongoing_requests: pydantic.PositiveFloat = INGRESS_TARGET_ONGOING_REQUESTS
+    upscale_delay_s: pydantic.NonNegativeFloat = 30.0  # Serve's defaults
+    downscale_delay_s: pydantic.NonNegativeFloat = 600.0
 
 
 class ClusterConfig(pydantic.BaseModel):
@@ -21,6 +36,7 @@ class ClusterConfig(pydantic.BaseModel):
     engine: EngineConfig = pydantic.Field(default_factory=EngineConfig)
     num_replicas: int = pydantic.Field(2, ge=1)
     ingress_replicas: int = pydantic.Field(1, ge=1)  # HTTP ingress replicas, each routing in its own process
+    ingress_autoscaling: IngressAutoscaling | None = None  # None: a fixed ingress_replicas, else where it starts
     autoscaling: AutoscalingSettings | None = None  # None: a fixed num_replicas
     routing: Literal["prefix", "round_robin", "least_loaded"] = "prefix"  # how the router picks a replica
     api_key: str | None = None  # None: PREFIXSERVE_API_KEY from the ingress's environment, if set
@@ -47,7 +63,7 @@ class ClusterConfig(pydantic.BaseModel):
     # (gRPC takes messages of up to 4 MiB, Serve's RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH).
     engine_transport: Literal["grpc", "ray"] = "grpc"
     # PolicyConfig.choice_temperature_tokens of every ingress replica's router; None: 0 with one ingress replica,
-    # SEVERAL_ROUTERS_CHOICE_TEMPERATURE_TOKENS with more.
+    # SEVERAL_ROUTERS_CHOICE_TEMPERATURE_TOKENS with more (at most: max_ingress_replicas).
     router_choice_temperature_tokens: float | None = pydantic.Field(None, ge=0)
     # Requests an engine replica takes beyond its running set (max_num_seqs); more wait in the ingress.
     max_waiting_requests: int = pydantic.Field(256, ge=0)
@@ -58,12 +74,24 @@ class ClusterConfig(pydantic.BaseModel):
     # Times a request may move to another replica when its own dies mid-request; then it fails (0: never moves).
     max_migrations: int = pydantic.Field(2, ge=0)
 
+    @pydantic.model_validator(mode="after")
+    def _ingress_starts_within_bounds(self) -> "ClusterConfig":
+        scaling = self.ingress_autoscaling
+        if scaling is not None and not scaling.min_replicas <= self.ingress_replicas <= scaling.max_replicas:
+            raise ValueError("ingress autoscaling needs min_replicas <= ingress_replicas <= max_replicas, got "
+                             f"{scaling.min_replicas}, {self.ingress_replicas}, {scaling.max_replicas}")
+        return self
+
+    @property
+    def max_ingress_replicas(self) -> int:
+        return self.ingress_replicas if self.ingress_autoscaling is None else self.ingress_autoscaling.max_replicas
+
     @property
     def routing_config(self) -> PolicyConfig:
         """The router's policy; what it assumes of the engines is read from their config, never restated."""
         temperature = self.router_choice_temperature_tokens
         if temperature is None:
-            temperature = SEVERAL_ROUTERS_CHOICE_TEMPERATURE_TOKENS if self.ingress_replicas > 1 else 0.0
+            temperature = SEVERAL_ROUTERS_CHOICE_TEMPERATURE_TOKENS if self.max_ingress_replicas > 1 else 0.0
         return PolicyConfig(policy=self.routing,
                             step_token_budget=self.engine.scheduler.max_num_batched_tokens,
                             assume_routed_prefix_cached=self.engine.cache.enable_prefix_caching,

@@ -13,8 +13,9 @@ import yaml
 from ray.serve.config import AutoscalingConfig
 from ray.serve.schema import ServeDeploySchema
 
+from cluster.app import ingress_options
 from cluster.autoscaling import AutoscalingSettings, PolicyKwargs
-from cluster.config import ClusterConfig
+from cluster.config import ClusterConfig, IngressAutoscaling
 from replica.config import CacheConfig, EngineConfig
 from replica.scheduler import SchedulerConfig
 
@@ -124,6 +125,15 @@ def test_autoscaling_args_build_a_real_autoscaling_config(rendered):
     assert unknown_autoscaling_keys(application) == set()
 
 
+def test_ingress_autoscaling_args_build_a_real_autoscaling_config(chart):
+    values = {"serve": {"args": {"ingress_replicas": 2, "ingress_autoscaling": {"max_replicas": 3}}}}
+    args = serve_application(render(chart, values)["RayService"])["args"]
+    serve_config = ingress_options(ClusterConfig(**args))["autoscaling_config"]
+    assert AutoscalingConfig(**serve_config).model_dump(include=set(serve_config)) == {
+        "min_replicas": 1, "max_replicas": 3, "initial_replicas": 2, "target_ongoing_requests": 16.0,
+        "upscale_delay_s": 30.0, "downscale_delay_s": 600.0}
+
+
 def test_camel_case_autoscaling_override_is_caught(chart):
     override = {"name": "Engine", "autoscaling_config": {"min_replicas": 1, "maxReplicas": 3}}
     objects = render(chart, {"serve": {"deployments": [override]}})
@@ -154,6 +164,7 @@ def test_values_schema_knows_exactly_the_python_config_fields(chart):
     assert set(engine["cache"]["properties"]) == set(CacheConfig.model_fields)
     assert set(autoscaling) == set(AutoscalingSettings.model_fields)
     assert set(autoscaling["policy_kwargs"]["properties"]) == set(PolicyKwargs.model_fields)
+    assert set(args["ingress_autoscaling"]["properties"]) == set(IngressAutoscaling.model_fields)
     assert set(args) == set(ClusterConfig.model_fields) - {"api_key"}
 
 

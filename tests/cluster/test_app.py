@@ -11,7 +11,7 @@ from ray.serve.config import BackpressureConfig
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
 from ray.serve.exceptions import BackPressureError, ReplicaUnavailableError
 
-from cluster.app import build_app, engine_options
+from cluster.app import INGRESS_MAX_ONGOING_REQUESTS, build_app, engine_options, ingress_options
 from cluster.config import ClusterConfig
 from cluster.engine_client import EnginesBusy, ReplicaLost
 from cluster.engine_replica import replica_engine_config
@@ -75,6 +75,21 @@ def test_autoscaling_replaces_the_fixed_replica_count():
     assert "num_replicas" not in options
     assert options["autoscaling_config"] == config.autoscaling.to_serve_config()
     assert options["autoscaling_config"]["policy"]["policy_function"] == "cluster.autoscaling:preemption_policy"
+
+
+def test_the_ingress_runs_a_fixed_count_or_autoscales_from_it_on_ongoing_requests():
+    fixed = ingress_options(ClusterConfig(ingress_replicas=3))
+    assert (fixed["num_replicas"], fixed["max_ongoing_requests"], fixed["ray_actor_options"]) == (
+        3, INGRESS_MAX_ONGOING_REQUESTS, {"num_cpus": 0})
+    assert "autoscaling_config" not in fixed
+    scaling = ingress_options(ClusterConfig(ingress_replicas=2, ingress_autoscaling={"max_replicas": 5,
+                                                                                     "target_ongoing_requests": 32}))
+    assert "num_replicas" not in scaling
+    assert scaling["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 5, "initial_replicas": 2,
+                                             "target_ongoing_requests": 32, "upscale_delay_s": 30.0,
+                                             "downscale_delay_s": 600.0}
+    with pytest.raises(pydantic.ValidationError, match="min_replicas <= ingress_replicas <= max_replicas, got 1, 5, 4"):
+        ClusterConfig(ingress_replicas=5, ingress_autoscaling={"max_replicas": 4})
 
 
 def test_engine_deployment_bounds_what_each_replica_and_the_ingress_hold():

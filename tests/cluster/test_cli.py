@@ -5,11 +5,12 @@ import re
 import pytest
 
 from cluster.cli import build_parser, config_from_args, main
-from cluster.config import ClusterConfig
+from cluster.config import ClusterConfig, IngressAutoscaling
 from router.policy import PolicyConfig
 
 SERVE_OPTIONS = {
-    "-h", "--help", "--address", "--host", "--port", "--replicas", "--ingress-replicas", "--autoscale",
+    "-h", "--help", "--address", "--host", "--port", "--replicas", "--ingress-replicas", "--ingress-autoscale",
+    "--ingress-target-ongoing-requests", "--autoscale",
     "--placement-strategy", "--tensor-parallel-size", "--replica-cpus", "--replica-gpus", "--router-sync-interval-s",
     "--router-choice-temperature-tokens", "--publish-interval-s", "--stream-interval-s", "--engine-transport",
     "--routing-policy", "--max-waiting-requests", "--max-queued-requests", "--max-request-body-bytes",
@@ -77,6 +78,7 @@ def test_several_ingress_replicas_draw_their_choices_unless_told_otherwise():
         (), ("--ingress-replicas", "2"), ("--ingress-replicas", "2", "--router-choice-temperature-tokens", "0"),
         ("--router-choice-temperature-tokens", "40"))]
     assert temperature == [0.0, 16.0, 0.0, 40.0]
+    assert parse("--ingress-autoscale", "1", "3").routing_config.choice_temperature_tokens == 16.0
 
 
 def test_autoscaling_starts_at_the_replica_count_within_bounds():
@@ -87,9 +89,21 @@ def test_autoscaling_starts_at_the_replica_count_within_bounds():
     assert parse().autoscaling is None
 
 
+def test_ingress_autoscaling_starts_at_the_ingress_replica_count_within_bounds():
+    config = parse("--ingress-autoscale", "2", "4", "--ingress-target-ongoing-requests", "64")
+    assert config.ingress_replicas == 2
+    bounds = {"min_replicas", "max_replicas", "target_ongoing_requests"}
+    assert config.ingress_autoscaling.model_dump(include=bounds) == {
+        "min_replicas": 2, "max_replicas": 4, "target_ongoing_requests": 64}
+    assert parse("--ingress-replicas", "3", "--ingress-autoscale", "1", "4").ingress_replicas == 3
+    assert parse("--ingress-autoscale", "1", "4").ingress_autoscaling == IngressAutoscaling(max_replicas=4)
+    assert parse().ingress_autoscaling is None
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--num-kv-blocks", "64", "--kv-cache-gib", "2"], "not allowed with argument"),
     (["--replicas", "0"], "num_replicas: Input should be greater than or equal to 1"),
+    (["--ingress-autoscale", "3", "2"], "ingress autoscaling needs min_replicas <= ingress_replicas <= max_replicas"),
     (["--block-size", "0"], "engine.cache.block_size: Input should be greater than or equal to 1"),
     (["--routing-policy", "random"], "invalid choice"),
     (["--ngram-min", "3", "--ngram-max", "2"], "ngram_min=3 exceeds ngram_max=2"),
