@@ -129,6 +129,8 @@ def test_ingress_autoscaling_args_build_a_real_autoscaling_config(chart):
     values = {"serve": {"args": {"ingress_replicas": 2, "ingress_autoscaling": {"max_replicas": 3}}}}
     args = serve_application(render(chart, values)["RayService"])["args"]
     serve_config = ingress_options(ClusterConfig(**args))["autoscaling_config"]
+    assert "Ingress replicas autoscale between 1 and 3 on their ongoing requests" in render(chart, values)["NOTES"]
+    assert "Ingress replicas" not in render(chart)["NOTES"]
     assert AutoscalingConfig(**serve_config).model_dump(include=set(serve_config)) == {
         "min_replicas": 1, "max_replicas": 3, "initial_replicas": 2, "target_ongoing_requests": 16.0,
         "upscale_delay_s": 30.0, "downscale_delay_s": 600.0}
