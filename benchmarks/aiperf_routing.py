@@ -5,10 +5,10 @@ AIPerf (`pip install aiperf`, in its own venv: pass its executable as --aiperf) 
 --conversations chat sessions of --turns turns; each session's first message starts with one of
 --prefixes shared prompts of --prefix-tokens tokens, and every later turn resends the history
 (the model's answers included), so a session's context grows. --concurrency sessions run at once,
-streaming; the replicas are warmed up first as in bench_routing.py. AIPerf counts tokens with the served model's own tokenizer, exported offline as a
-Hugging Face directory (benchmarks/export_tokenizer.py). Per policy it prints AIPerf's TTFT
-p50/p99 and request throughput, the engines' prefix-cache hit rate (hits / queries from
-/metrics) and the router's decisions by outcome.
+streaming; the replicas are warmed up first as in bench_routing.py. AIPerf counts tokens with the
+served model's own tokenizer, exported offline as a Hugging Face directory
+(benchmarks/export_tokenizer.py). Per policy it prints AIPerf's TTFT p50/p99 and request throughput,
+the engines' prefix-cache hit rate (hits / queries from /metrics) and the router's decisions by outcome.
 
     python benchmarks/aiperf_routing.py --aiperf /path/to/venv/bin/aiperf [--policies prefix round_robin least_loaded]
 """

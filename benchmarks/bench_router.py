@@ -7,7 +7,8 @@ block, a quarter a system prompt followed by new blocks, a quarter all new. Ever
 through Router.choose() (match, cost model, booking, and the session bookkeeping: each request is
 a turn of one of 256 sessions, parked between turns on the replica that served it); after every 8 decisions one replica
 publishes a batch of 100 KV events (50 blocks stored, 50 evicted, one event each), then a batch
-that finishes the requests routed to it since (releasing their bookings). The router is warmed up the way the actor is (gc.freeze() after the initial sync).
+that finishes the requests routed to it since (releasing their bookings). The router is warmed up the
+way the actor is (gc.freeze() after the initial sync).
 
 Baseline, same process: the membership scan any router could write without an index, counting
 each replica's leading blocks with `for h in chain: if h not in held: break`. Times are wall
@@ -201,8 +202,8 @@ def main() -> None:
         scan_p50 = statistics.median(samples["scan"])
         for name, values in samples.items():
             ratio = f"{statistics.median(values) / scan_p50:.3f}" if name != "gc pause" else "-"
-            print(f"| {num_replicas} | {name} | {percentile(values, 50) * 1e6:.0f} | {percentile(values, 99) * 1e6:.0f} "
-                  f"| {max(values) * 1e6:.0f} | {ratio} |", flush=True)
+            print(f"| {num_replicas} | {name} | {percentile(values, 50) * 1e6:.0f} "
+                  f"| {percentile(values, 99) * 1e6:.0f} | {max(values) * 1e6:.0f} | {ratio} |", flush=True)
 
 
 if __name__ == "__main__":

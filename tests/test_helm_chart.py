@@ -313,7 +313,8 @@ def test_monitoring_scrapes_app_metrics_on_the_head_and_ray_metrics_everywhere(c
     assert monitor["spec"]["endpoints"] == [{"port": "serve", "path": "/metrics", "interval": "15s"}]
     assert objects["PodMonitor"]["spec"]["podMetricsEndpoints"] == [{"port": "metrics", "interval": "15s"}]
     for template in pod_templates(objects["RayService"]):
-        assert template["metadata"]["labels"].items() >= objects["PodMonitor"]["spec"]["selector"]["matchLabels"].items()
+        selector = objects["PodMonitor"]["spec"]["selector"]["matchLabels"]
+        assert template["metadata"]["labels"].items() >= selector.items()
     assert objects["ConfigMap"]["metadata"]["labels"]["grafana_dashboard"] == "1"
 
 

@@ -58,7 +58,8 @@ class RopeScaling:
             raise ValueError(f"RoPE scaling {rope_type!r} lacks {missing}") from None
         return cls("yarn", factor, int(scaling.get("original_max_position_embeddings") or max_position),
                    beta_fast=float(scaling.get("beta_fast") or 32.0), beta_slow=float(scaling.get("beta_slow") or 1.0),
-                   truncate=bool(scaling.get("truncate", True)), attention_factor=_yarn_attention_factor(scaling, factor))
+                   truncate=bool(scaling.get("truncate", True)),
+                   attention_factor=_yarn_attention_factor(scaling, factor))
 
 
 def _yarn_attention_factor(scaling: dict[str, Any], factor: float) -> float:

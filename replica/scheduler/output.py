@@ -73,7 +73,8 @@ class SpecDecodingStats:
     num_drafts: int = 0           # request-steps that verified at least one draft token
     num_draft_tokens: int = 0     # draft tokens verified
     num_accepted_tokens: int = 0  # of those, accepted
-    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # by draft position, num_speculative_tokens long
+    # by draft position, num_speculative_tokens long
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -210,8 +210,8 @@ def test_a_body_over_the_limit_is_413_before_it_is_read_whole():
 
 def test_closing_a_stream_early_abandons_the_engine_stream_and_migrates_nothing():
     engine = FakeEngineClient()
-    serving = OpenAIServing(engine, FakeTokenizer(), ModelInfo(MODEL, MAX_MODEL_LEN, VOCAB_SIZE, BLOCK_SIZE), ServingMetrics(),
-                            max_migrations=2)
+    serving = OpenAIServing(engine, FakeTokenizer(), ModelInfo(MODEL, MAX_MODEL_LEN, VOCAB_SIZE, BLOCK_SIZE),
+                            ServingMetrics(), max_migrations=2)
     body = json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 50, "stream": True}).encode()
 
     async def read_one_chunk_then_disconnect():
@@ -444,7 +444,8 @@ def test_metrics_have_one_series_per_replica():
         "num_preemptions_total": 3.0, "prefix_cache_queries_total": 40.0, "prefix_cache_hits_total": 16.0,
         "pinned_blocks": 12.0, "pins_total": 9.0, "pin_hits_total": 6.0, "pins_expired_total": 2.0,
         "pins_released_total": 1.0, "next_turn_prefix_cache_queries_total": 300.0,
-        "next_turn_prefix_cache_hits_total": 240.0, "kv_cached_blocks": 5.0, "router_index_blocks": 5.0, "router_requests_in_flight": 2.0,
+        "next_turn_prefix_cache_hits_total": 240.0, "kv_cached_blocks": 5.0, "router_index_blocks": 5.0,
+        "router_requests_in_flight": 2.0,
         "router_parked_sessions": 3.0, "router_predicted_cached_tokens_total": 32.0,
         "router_actual_cached_tokens_total": 16.0, "spec_decode_num_drafts_total": 7.0,
         "spec_decode_num_draft_tokens_total": 18.0, "spec_decode_num_accepted_tokens_total": 11.0,

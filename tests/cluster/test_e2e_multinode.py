@@ -39,7 +39,8 @@ RECOVERY_TIMEOUT_S = 120
 def cluster():
     keep_ray_on_loopback()
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "node_ip_address": LOOPBACK, "include_dashboard": False, "env_vars": {"RAY_AUTH_MODE": "disabled"}})
+        "num_cpus": 0, "node_ip_address": LOOPBACK, "include_dashboard": False,
+        "env_vars": {"RAY_AUTH_MODE": "disabled"}})
     workers = [cluster.add_node(num_cpus=2, node_ip_address=LOOPBACK) for _ in range(2)]
     ray.init(address=cluster.address, _node_ip_address=LOOPBACK)
     port = free_port()

@@ -87,7 +87,8 @@ def test_recent_preemptions_flip_a_full_hit():
 def test_equal_savings_go_to_the_less_loaded_then_to_fewer_cached_blocks():
     candidates = [Candidate("a", matched_blocks=1, num_requests=2), Candidate("b", matched_blocks=1, num_requests=1)]
     assert prefix_policy().choose(PROMPT, candidates) == RoutingDecision("b", 1, "prefix_hit")
-    candidates = [Candidate("a", num_cached_blocks=9), Candidate("b", num_cached_blocks=3), Candidate("c", num_cached_blocks=3)]
+    candidates = [Candidate("a", num_cached_blocks=9), Candidate("b", num_cached_blocks=3),
+                  Candidate("c", num_cached_blocks=3)]
     assert prefix_policy().choose(PROMPT, candidates) == RoutingDecision("b", 0, "no_hit")
 
 
