@@ -7,16 +7,15 @@ tiny random model (benchmarks/random_model.py) on --replicas engine replicas, be
 ingress replicas; the bare app has its ingress replicas (1, and then 2: --bare-ingress-replicas) in
 front of --replicas replicas that yield a chunk a token. The bare app with one ingress replica is the
 reference of every ratio; the bare app with two says what a second ingress process gives Ray Serve
-itself on this machine. The apps run side by side, each at its own route
-prefix, and stay up through the run; the load goes to one at a time: --warmup-s of it, then
---duration-s measured, for each app in turn in each of --rounds rounds (each round starting with the
-next app). The machine's speed drifts by 10-30% over tens of seconds: a ratio is taken within a
-round, between windows seconds apart, and the verdict is on the rounds' median. The load client is
-`wrk` (a Lua script makes each request's prompt), or without wrk an asyncio httpx client in a process
-of its own. CPU ms per request: the CPU time (user + system, psutil) that the measured app's
-processes and those every app shares (Ray's GCS, raylet, Serve's controller and proxy; not this
-driver, not the load client, not the other apps' replicas and router actors) spent during the
-measured window, over the requests answered in it.
+itself on this machine. The apps run side by side, each at its own route prefix, and stay up through the
+run; the load goes to one at a time: --warmup-s of it, then --duration-s measured, for each app in turn
+in each of --rounds rounds (each round starting with the next app). The machine's speed drifts by 10-30%
+over tens of seconds: a ratio is taken within a round, between windows seconds apart, and the verdict is
+on the rounds' median. The load client is `wrk` (a Lua script makes each request's prompt), or without
+wrk an asyncio httpx client in a process of its own. CPU ms per request: the CPU time (user + system,
+psutil) that the measured app's processes and those every app shares (Ray's GCS, raylet, Serve's
+controller and proxy; not this driver, not the load client, not the other apps' replicas and router
+actors) spent during the measured window, over the requests answered in it.
 
     apt-get install -y wrk
     PYTHONPATH=. python benchmarks/bench_front_door.py --markdown benchmarks/results/front-door.md
@@ -111,8 +110,8 @@ def request_fields(max_tokens: int = 1, stream: bool = False) -> dict:
     return fields | ({"stream": True} if stream else {})
 
 
-def wrk_script(prompt_tokens: int, route_prefix: str = "", fields: dict | None = None) -> str:
-    opening = json.dumps(fields or request_fields(), separators=(",", ":")).removesuffix("}")
+def wrk_script(prompt_tokens: int, route_prefix: str, fields: dict) -> str:
+    opening = json.dumps(fields, separators=(",", ":")).removesuffix("}")
     return WRK_SCRIPT % {"prompt_tokens": prompt_tokens, "first_id": FIRST_TOKEN_ID, "last_id": VOCAB_SIZE - 1,
                          "fields": opening, "path": f"{route_prefix}/v1/completions"}
 

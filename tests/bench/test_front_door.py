@@ -146,10 +146,10 @@ def test_each_round_starts_with_the_next_app():
 
 
 def test_wrk_script_sends_fresh_token_ids_in_the_tiny_vocabulary():
-    script = bench.wrk_script(prompt_tokens=32)
+    script = bench.wrk_script(32, "", bench.request_fields())
     assert "for i = 1, 32 do ids[i] = math.random(2, 4095) end" in script
     assert 'local body = \'{"model":"tiny","max_tokens":1,"prompt":[\' .. table.concat(ids, ",") .. \']}\'' in script
-    streamed = bench.wrk_script(prompt_tokens=8, route_prefix="/x", fields=bench.request_fields(64, stream=True))
+    streamed = bench.wrk_script(8, "/x", bench.request_fields(64, stream=True))
     assert '\'{"model":"tiny","max_tokens":64,"ignore_eos":true,"stream":true,"prompt":[\'' in streamed
     assert '"/x/v1/completions"' in streamed
 
