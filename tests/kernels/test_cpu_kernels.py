@@ -87,7 +87,7 @@ def test_bindings_follow_the_cpp_declarations_and_take_named_arguments():
     assert kernels.silu_and_mul.arg_names == ["dtype", "out", "gate_up", "num_tokens", "size", "stride_token"]
     declared = library.declarations(sorted(library.SOURCE_DIR.glob("*.cpp")))
     assert set(declared) == set(vars(kernels)) == {"paged_attention", "write_kv_cache", "rms_norm",
-                                                   "apply_rotary", "silu_and_mul"}
+                                                   "apply_rotary", "silu_and_mul", "apply_token_bitmask"}
     with pytest.raises(TypeError, match=r"missing \['stride_token'\], unknown \['stride'\]"):
         kernels.silu_and_mul(dtype=0, out=None, gate_up=None, num_tokens=0, size=0, stride=0)
     with pytest.raises(TypeError, match="no ctypes binding for the C type 'double'"):

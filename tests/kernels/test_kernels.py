@@ -133,3 +133,23 @@ def test_silu_and_mul_rejects_an_odd_width(ops, device):
 def test_the_kernels_compared_are_the_backends_not_the_references(backend, ops):
     assert {getattr(ops, field.name).__module__.rsplit(".", 1)[0] for field in dataclasses.fields(ops)} == {
         f"kernels.{backend}"}
+
+
+@pytest.mark.parametrize("vocab_size, num_words", [(100, 4), (70, 2), (33, 1)])
+def test_apply_token_bitmask_matches_reference(vocab_size, num_words, ops, device):
+    """Words of all ones, all zeros and mixed; a mask narrower than the vocabulary disallows the tokens past it;
+    rows not listed keep their logits."""
+    generator = torch.Generator().manual_seed(vocab_size)
+    logits = torch.randn(5, vocab_size, generator=generator).to(device)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, num_words), dtype=torch.int32, generator=generator)
+    bitmask[0, 0], bitmask[1, -1] = -1, 0
+    bitmask = bitmask.to(device)
+    logit_rows = torch.tensor([4, 0, 2], device=device)
+    expected = logits.clone()
+    torch_ops.apply_token_bitmask(expected, bitmask, logit_rows)
+    ops.apply_token_bitmask(logits, bitmask, logit_rows)
+    assert torch.equal(logits, expected)
+    assert torch.isfinite(expected[[1, 3]]).all()
+    row_0 = [int(bitmask[1, token // 32]) >> (token % 32) & 1 if token < 32 * num_words else 0
+             for token in range(vocab_size)]
+    assert torch.isinf(expected[0]).tolist() == [not bit for bit in row_0]
