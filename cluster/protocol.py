@@ -9,6 +9,7 @@ from typing import Any, ClassVar, Literal
 import pydantic
 
 from replica.request import SamplingParams
+from replica.structured_output import StructuredOutputsParams
 
 REPLICA_HEADER = "x-prefixserve-replica"
 SESSION_HEADER = "x-session-id"  # Ray Serve's session router and AIPerf's --session-header send it
@@ -45,6 +46,58 @@ class StreamOptions(pydantic.BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(pydantic.BaseModel):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | bool = pydantic.Field({"type": "object"}, alias="schema")
+    strict: bool | None = None  # the schema is enforced either way
+
+
+class ResponseFormatParam(pydantic.BaseModel):
+    """OpenAI's response_format: text, any JSON object, or JSON matching a schema."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @pydantic.model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormatParam":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("json_schema is required when type is json_schema")
+        return self
+
+    def constraint(self) -> dict[str, Any]:
+        match self.type:
+            case "json_object":
+                return {"json_object": True}
+            case "json_schema":
+                return {"json_schema": self.json_schema.schema_}
+        return {}
+
+
+class StructuredOutputsBody(pydantic.BaseModel):
+    """vLLM's extension `structured_outputs`: exactly one of json (a schema, or its JSON text), json_object,
+    regex, choice and grammar (Lark or GBNF)."""
+    model_config = pydantic.ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | bool | str | None = pydantic.Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False
+
+    def constraint(self) -> dict[str, Any]:
+        schema = self.json_
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+        given = {"json_schema": schema, "json_object": self.json_object or None, "regex": self.regex,
+                 "choice": self.choice, "grammar": self.grammar}
+        return {kind: value for kind, value in given.items() if value is not None} | \
+            {"whitespace_flexible": not self.disable_any_whitespace}
+
+
 class _GenerationRequest(pydantic.BaseModel):
     """The fields completions and chat share. Unknown fields are ignored; OpenAI's fields this server does
     not implement are refused unless they ask for nothing (UNSUPPORTED: field -> the values that do)."""
@@ -73,6 +126,9 @@ class _GenerationRequest(pydantic.BaseModel):
     continuum policy pin a finished turn's KV blocks for the next."""
     last_turn: bool = False
     """The session's last turn: nothing to pin its blocks for (continuum)."""
+    response_format: ResponseFormatParam | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    """What the output must match (vLLM's extension); only one of it and a JSON response_format."""
 
     @pydantic.model_validator(mode="before")
     @classmethod
@@ -104,11 +160,21 @@ class _GenerationRequest(pydantic.BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """ValueError (pydantic's included) for values that do not go together."""
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         logprobs, top_logprobs = self.requested_logprobs
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos,
-                              logprobs=logprobs, top_logprobs=top_logprobs)
+                              logprobs=logprobs, top_logprobs=top_logprobs,
+                              structured_outputs=self.structured_outputs_params())
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        constraints = [constraint for constraint in (
+            self.response_format.constraint() if self.response_format else {},
+            self.structured_outputs.constraint() if self.structured_outputs else {}) if constraint]
+        if len(constraints) > 1:
+            raise ValueError("only one kind of constraint per request: response_format or structured_outputs")
+        return StructuredOutputsParams(**constraints[0]) if constraints else None
 
 
 class CompletionRequest(_GenerationRequest):
@@ -150,7 +216,7 @@ class ChatMessage(pydantic.BaseModel):
 class ChatCompletionRequest(_GenerationRequest):
     UNSUPPORTED = _GenerationRequest.UNSUPPORTED | {
         "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-        "response_format": (None, {"type": "text"}), "audio": (None,), "modalities": (None, ["text"]),
+        "audio": (None,), "modalities": (None, ["text"]),
         "prediction": (None,)}
 
     messages: list[ChatMessage] = pydantic.Field(min_length=1)

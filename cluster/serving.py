@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 import pydantic
+import tokenizers
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from cluster.engine_client import EngineClient, EnginesBusy, ReplicaLost
@@ -28,6 +29,8 @@ from cluster.protocol import (REPLICA_HEADER, SSE_DONE, APIError, ChatCompletion
 from replica.async_engine import EngineOutput, EngineRequest, ModelInfo
 from replica.kv_cache import hash_token_blocks
 from replica.request import SamplingParams
+from replica.structured_output.backend import GrammarError, GuidanceBackend
+from replica.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("ray.serve.prefixserve.serving")
 
@@ -38,9 +41,13 @@ PREPARE_THREADS = 4
 # A body this small is prepared on the event loop: it takes at most about a millisecond (512 bytes of text to
 # tokenize), 32 token ids about 70 us, where the handoff to a thread costs about 120 us of its own.
 INLINE_PREPARE_BYTES = 512
+CONSTRAINT_CHECK_TIMEOUT_S = 10.0
 
 
 class Tokenizer(Protocol):
+    backend: tokenizers.Tokenizer
+    eos_token_id: int | None
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]: ...
@@ -113,6 +120,10 @@ class OpenAIServing:
         self.model = model
         self.metrics = metrics
         self._executor = ThreadPoolExecutor(max_workers=PREPARE_THREADS, thread_name_prefix="ingress-prepare")
+        # compiles each constraint once (on threads of its own) to refuse what the engines could not compile
+        self.constraints = StructuredOutputManager(
+            GuidanceBackend(tokenizer.backend, model.vocab_size, tokenizer.eos_token_id),
+            compile_timeout_s=CONSTRAINT_CHECK_TIMEOUT_S)
 
     def list_models(self) -> dict[str, Any]:
         card = {"id": self.model.name, "object": "model", "created": 0, "owned_by": "prefixserve",
@@ -171,6 +182,7 @@ class OpenAIServing:
 
     async def _generate(self, prepared: _Prepared, arrival_time: float) -> Response:
         body, response_format = prepared.body, prepared.response_format
+        await self._check_constraint(prepared.request.params)
         outputs = self.engine.generate(prepared.request)
         try:
             first = await anext(outputs)
@@ -185,6 +197,19 @@ class OpenAIServing:
         return JSONResponse(response_format.response("".join(progress.text), progress.finish_reason,
                                                      progress.usage(), progress.logprobs),
                             headers={REPLICA_HEADER: progress.tracker.replica_id})  # the last, if it migrated
+
+    async def _check_constraint(self, params: SamplingParams) -> None:
+        """A 400 naming the problem for a constraint that does not compile, before the request is routed."""
+        if params.structured_outputs is None:
+            return
+        compiling = self.constraints.request(params.structured_outputs).future
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(compiling), CONSTRAINT_CHECK_TIMEOUT_S)
+        except TimeoutError:
+            raise APIError(f"the {params.structured_outputs.kind} constraint took more than "
+                           f"{CONSTRAINT_CHECK_TIMEOUT_S:g} s to compile") from None
+        except GrammarError as exc:
+            raise APIError(str(exc)) from None
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -209,6 +234,8 @@ class OpenAIServing:
             return body.sampling_params(max_tokens)
         except pydantic.ValidationError as exc:
             raise APIError(describe(exc)) from None
+        except ValueError as exc:
+            raise APIError(str(exc)) from None
 
     async def _collect(self, first: EngineOutput, outputs: AsyncGenerator[EngineOutput, None],
                        progress: _Progress) -> None:

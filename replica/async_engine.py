@@ -64,6 +64,7 @@ class EngineOutput:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per new token: (token id, logprob), likeliest first
     replica_id: str | None = None  # only on a replica's first output for the request: the replica that took it
+    error: str | None = None  # the request failed on its own (finish_reason "error"): why
 
     def merged(self, later: "EngineOutput") -> "EngineOutput":
         """This output and a later one of the same request as one."""
@@ -232,7 +233,7 @@ class AsyncEngine:
             queue = self._streams.get(output.request_id)
             if queue is None:
                 continue  # aborted while the step ran
-            queue.put_nowait(output)
+            queue.put_nowait(output if output.error is None else ValueError(output.error))
             if output.finished:
                 del self._streams[output.request_id]
 

@@ -46,6 +46,8 @@ class EngineConfig(pydantic.BaseModel):
     num_speculative_tokens: int = pydantic.Field(0, ge=0)
     ngram_min: int = pydantic.Field(1, ge=1)  # the shortest suffix of a request's tokens looked up
     ngram_max: int = pydantic.Field(4, ge=1)  # the longest
+    # A constrained request whose grammar has not compiled after this long fails (finish_reason "error")
+    grammar_compile_timeout_s: float = pydantic.Field(10.0, gt=0)
 
     @property
     def async_scheduling(self) -> bool | None:

@@ -4,7 +4,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 import torch
 
@@ -24,6 +24,11 @@ from replica.kv_cache import BlockHash, KVCacheManager, KVEvent
 from replica.request import Request, RequestStatus, SamplingParams
 from replica.config import CacheConfig, EngineConfig  # noqa: F401 (re-exported: replica.engine names them)
 from replica.scheduler import ModelRunnerOutput, RequestOutput, Scheduler, SchedulerOutput, SchedulerStats
+from replica.structured_output.backend import GuidanceBackend
+from replica.structured_output.manager import StructuredOutputManager
+
+# How long an idle step waits for a compiling grammar before it returns to its caller
+_GRAMMAR_WAIT_S = 0.01
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +97,9 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler.model_copy(update={
             "max_model_len": self.max_model_len, "async_scheduling": async_scheduling}), self.kv_cache_manager,
             num_speculative_tokens=config.num_speculative_tokens)
+        self.structured_outputs = StructuredOutputManager(
+            GuidanceBackend(self.tokenizer.backend, checkpoint.config.vocab_size, self.tokenizer.eos_token_id),
+            compile_timeout_s=config.grammar_compile_timeout_s)
         self._proposer = NgramProposer(config.num_speculative_tokens, config.ngram_min, config.ngram_max) \
             if config.num_speculative_tokens else None
         backend = resolve_backend(config.backend, device, checkpoint.config.head_dim)
@@ -132,9 +140,12 @@ class EngineCore:
         engine's KVCacheManager does (the ingress hashes once for the router and the replica).
         output_token_ids: what it generated on a replica that was lost (see Request); this engine's
         outputs continue after them, in tokens and in text."""
+        structured_output = None if params.structured_outputs is None else \
+            self.structured_outputs.request(params.structured_outputs, output_token_ids)
         request = Request(request_id, prompt_token_ids, params, priority=priority, arrival_time=arrival_time,
                           cache_salt=cache_salt, eos_token_id=self.tokenizer.eos_token_id, session_id=session_id,
-                          last_turn=last_turn, block_hashes=block_hashes, output_token_ids=output_token_ids)
+                          last_turn=last_turn, block_hashes=block_hashes, output_token_ids=output_token_ids,
+                          structured_output=structured_output)
         if max(request.all_token_ids) >= self.model_config.vocab_size:
             raise ValueError(f"token ids must be integers in [0, {self.model_config.vocab_size})")
         if len(block_hashes) > request.num_tokens // self.config.cache.block_size:
@@ -150,10 +161,10 @@ class EngineCore:
         step before it waits for the one executing, so that scheduling, stop checks and detokenizing
         happen while the model computes. The first step's outputs come with the second."""
         if self._runner_thread is None:
-            scheduler_output = self.scheduler.schedule()
+            scheduler_output = self._schedule()
             return self._update(scheduler_output, self.runner.execute_model(scheduler_output))
         if self.scheduler.has_unfinished_requests():
-            scheduler_output = self.scheduler.schedule()
+            scheduler_output = self._schedule()
             self._in_flight.append((scheduler_output,
                                     self._runner_thread.submit(self.runner.execute_model, scheduler_output)))
             if len(self._in_flight) == 1 and scheduler_output.total_num_scheduled_tokens:
@@ -162,6 +173,21 @@ class EngineCore:
             return []
         scheduler_output, model_output = self._in_flight.popleft()
         return self._update(scheduler_output, model_output.result())
+
+    def _schedule(self) -> SchedulerOutput:
+        """The scheduler's next step, with the token bitmask of its constrained requests being filled (while the
+        model computes the forward pass). A step with nothing to run while grammars compile waits a little for
+        them, so that the engine loop does not spin."""
+        scheduler_output = self.scheduler.schedule()
+        drafts = scheduler_output.structured_output_drafts
+        if drafts:
+            requests = self.scheduler.requests
+            scheduler_output.grammar_bitmask = self.structured_outputs.fill_bitmask(
+                [(req_id, requests[req_id].structured_output.grammar, draft_ids) for req_id, draft_ids in drafts.items()])
+        elif not scheduler_output.total_num_scheduled_tokens and self.scheduler.waiting_for_grammar:
+            wait([request.structured_output.future for request in self.scheduler.waiting_for_grammar],
+                 timeout=_GRAMMAR_WAIT_S, return_when=FIRST_COMPLETED)
+        return scheduler_output
 
     def _update(self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput) -> list[EngineOutput]:
         request_outputs = self.scheduler.update_from_output(scheduler_output, model_output)
@@ -182,7 +208,10 @@ class EngineCore:
             if request is None or request.status != RequestStatus.RUNNING:  # finished (by a stop string too)
                 continue
             room = min(self.max_model_len - 1 - request.num_tokens, request.max_tokens - request.num_output_tokens - 1)
-            request.spec_token_ids = self._proposer.propose(request.all_token_ids, room)
+            drafts = self._proposer.propose(request.all_token_ids, room)
+            if drafts and request.structured_output is not None:  # up to the first the grammar rejects
+                drafts = drafts[:request.structured_output.grammar.validate(drafts)]
+            request.spec_token_ids = drafts
 
     def _make_output(self, output: RequestOutput, logprobs: list[float] | None,
                      top_logprobs: list[list[tuple[int, float]]] | None) -> EngineOutput:
@@ -198,7 +227,8 @@ class EngineCore:
         params, num_new = request.sampling_params, len(output.new_token_ids)
         return EngineOutput(
             request_id=output.request_id, new_token_ids=output.new_token_ids, new_text=new_text,
-            finished=finished, finish_reason=finish_reason, num_prompt_tokens=request.num_prompt_tokens,
+            finished=finished, finish_reason=finish_reason, error=output.error,
+            num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             logprobs=logprobs[:num_new] if params.logprobs and logprobs else None,
             top_logprobs=[top[:params.top_logprobs] for top in top_logprobs[:num_new]]
@@ -236,6 +266,7 @@ class EngineCore:
         """Ends the tensor-parallel ranks' processes, if any; the engine cannot step afterwards."""
         if self._runner_thread is not None:
             self._runner_thread.shutdown(wait=True)
+        self.structured_outputs.shutdown()
         if self.config.tensor_parallel_size > 1:
             self.runner.shutdown()
 
@@ -250,6 +281,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     logprobs: list[float] | None = None
+    error: str | None = None  # why it failed, when finish_reason is "error" (its constraint did not compile)
 
 
 Prompt = str | Sequence[int]
@@ -311,3 +343,4 @@ def _accumulate(result: CompletionOutput, output: EngineOutput) -> None:
     if output.finished:
         result.finish_reason = output.finish_reason
         result.num_cached_tokens = output.num_cached_tokens
+        result.error = output.error

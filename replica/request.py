@@ -5,6 +5,8 @@ from collections.abc import Sequence
 
 import pydantic
 
+from replica.structured_output.params import StructuredOutputsParams
+
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
@@ -15,8 +17,8 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
     FINISHED_IGNORED = enum.auto()  # could never run: larger than the KV cache, or than a step unchunked
-    # Never set: a step that fails has already put its blocks in the prefix cache unwritten, so the
-    # engine stops (AsyncEngine's EngineDeadError) instead of finishing requests with an error and serving on.
+    # A request's own failure: its constraint did not compile. (A step that fails has already put its blocks in
+    # the prefix cache unwritten, so the engine stops instead: AsyncEngine's EngineDeadError.)
     FINISHED_ERROR = enum.auto()
 
     @staticmethod
@@ -48,6 +50,7 @@ class SamplingParams(pydantic.BaseModel):
     ignore_eos: bool = False
     logprobs: bool = False  # the sampled token's log-probability under the raw logits
     top_logprobs: int = 0  # and this many most likely tokens' (at most 20; needs logprobs)
+    structured_outputs: StructuredOutputsParams | None = None  # what the output must match (constrained decoding)
 
     @pydantic.model_validator(mode="after")
     def _check(self) -> "SamplingParams":
@@ -96,10 +99,13 @@ class Request:
         last_turn: bool = False,
         block_hashes: Sequence[bytes] = (),
         output_token_ids: Sequence[int] = (),
+        structured_output=None,
     ):
         """output_token_ids: tokens it already generated elsewhere (a request migrated from a lost replica).
         They count against max_tokens, the stop checks see them, and the scheduler computes them with the
-        prompt, as it recomputes a preempted request."""
+        prompt, as it recomputes a preempted request.
+        structured_output: the grammar of sampling_params.structured_outputs
+        (replica.structured_output.manager.StructuredOutputRequest), compiling or compiled."""
         _check_inputs(request_id, prompt_token_ids, sampling_params, output_token_ids)
         self.request_id = request_id
         self.sampling_params = sampling_params
@@ -124,6 +130,7 @@ class Request:
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = list(block_hashes)  # chained hashes of its full blocks (kept current)
         self.stop_reason: int | str | None = None
+        self.structured_output = structured_output
 
     @property
     def num_tokens(self) -> int:

@@ -177,6 +177,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.tp = tp
+        self.ops = ops
         self.model = LlamaModel(config, ops, tp)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, self.model.embed_tokens.num_rows, bias=False)

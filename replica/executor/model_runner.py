@@ -16,6 +16,7 @@ from replica.executor.model import KVCache, LlamaForCausalLM
 from replica.executor.rejection_sampler import num_emitted, rejection_sample
 from replica.executor.sampler import Sampled, SamplingMetadata, sample
 from replica.scheduler import ModelRunnerOutput, SchedulerOutput
+from replica.structured_output.manager import GrammarBitmask
 
 
 class ModelRunner:
@@ -44,6 +45,8 @@ class ModelRunner:
         num_drafts = [len(state.spec_token_ids) for state in sampling]
         sampled, counts = None, None
         if logits is not None:
+            if scheduler_output.grammar_bitmask is not None:
+                self._apply_grammar_bitmask(logits, scheduler_output.grammar_bitmask, sampling, num_drafts)
             sampled, counts = self._sample(logits, sampling, num_drafts)
         if self.tp.size > 1:
             sampled, counts = self._broadcast_tokens(sampled, counts, len(batch.logits_indices), len(sampling))
@@ -63,6 +66,21 @@ class ModelRunner:
             sampled, accepted = rejection_sample(logits, torch.tensor(draft_token_ids, device=self.device), metadata)
             return sampled, num_emitted(accepted.tolist(), num_drafts)
         return sample(logits, metadata), [1] * len(sampling)
+
+    def _apply_grammar_bitmask(self, logits: torch.Tensor, grammar_bitmask: GrammarBitmask,
+                               sampling: list[RequestState], num_drafts: list[int]) -> None:
+        """Rule out what the constrained requests' grammars do not allow, in each of their logits rows (waiting
+        for the bitmask, filled while the forward pass ran). Unconstrained rows are not touched."""
+        first_rows = grammar_bitmask.rows
+        logit_rows, mask_rows = [], []
+        logits_row = 0
+        for state, count in zip(sampling, num_drafts):
+            if (mask_row := first_rows.get(state.req_id)) is not None:
+                logit_rows.extend(range(logits_row, logits_row + count + 1))
+                mask_rows.extend(range(mask_row, mask_row + count + 1))
+            logits_row += count + 1
+        bitmask = torch.from_numpy(grammar_bitmask.result()[mask_rows]).to(self.device, non_blocking=True)
+        self.model.ops.apply_token_bitmask(logits, bitmask, torch.tensor(logit_rows, device=self.device))
 
     def _broadcast_tokens(self, sampled: Sampled | None, counts: list[int] | None, num_rows: int,
                           num_requests: int) -> tuple[Sampled, list[int]]:

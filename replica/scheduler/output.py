@@ -1,7 +1,12 @@
 """What the scheduler hands the model runner each step, and what comes back."""
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 from replica.request import SamplingParams
+
+if TYPE_CHECKING:
+    from replica.structured_output.manager import GrammarBitmask
 
 
 @dataclass(slots=True)
@@ -36,6 +41,10 @@ class SchedulerOutput:
     # the drafts to verify, per request that has any scheduled: they follow its last token in
     # num_scheduled_tokens (which counts them)
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # the constrained requests that sample this step, with the drafts each verifies (the engine fills their
+    # token bitmask into grammar_bitmask while the runner computes the forward pass)
+    structured_output_drafts: dict[str, list[int]] = field(default_factory=dict)
+    grammar_bitmask: "GrammarBitmask | None" = None
 
 
 @dataclass(slots=True)
@@ -53,6 +62,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None  # why it finished with FINISHED_ERROR
 
 
 @dataclass(slots=True)

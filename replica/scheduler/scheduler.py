@@ -71,8 +71,12 @@ class Scheduler:
             case _:
                 self.waiting = FCFSRequestQueue()
         self.running: list[Request] = []
+        # constrained requests whose grammar is still compiling: not in the queue, so the requests behind them run
+        self.waiting_for_grammar: list[Request] = []
         self.finished_req_ids: set[str] = set()  # since the last schedule()
-        self._ignored: list[RequestOutput] = []  # requests that can never run, reported by the next update
+        # requests finished without running (too large to ever run, or their grammar failed), reported by the
+        # next update
+        self._unscheduled_outputs: list[RequestOutput] = []
         self.num_preemptions = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -87,13 +91,35 @@ class Scheduler:
                 f"to generate within max_model_len={self.config.max_model_len}")
         self._pin_keeper.arrived(request)
         self.kv_cache_manager.update_block_hashes(request)
-        self.waiting.add(request)
         self.requests[request.request_id] = request
+        if request.structured_output is None:
+            self.waiting.add(request)
+        else:
+            self.waiting_for_grammar.append(request)  # schedule() queues it once compiled
+
+    def promote_compiled(self) -> None:
+        """Queue the requests whose grammar has compiled; finish those whose grammar failed."""
+        if not self.waiting_for_grammar:
+            return
+        still_compiling = []
+        for request in self.waiting_for_grammar:
+            structured = request.structured_output
+            if not structured.poll():
+                still_compiling.append(request)
+            elif structured.error is None:
+                self.waiting.add(request)
+            else:
+                request.status = RequestStatus.FINISHED_ERROR
+                self._free_request(request)
+                self._unscheduled_outputs.append(RequestOutput(request.request_id, [], True,
+                                                               request.get_finished_reason(), error=structured.error))
+        self.waiting_for_grammar = still_compiling
 
     def schedule(self) -> SchedulerOutput:
         plan = _StepPlan(self.config.max_num_batched_tokens)
         self.kv_cache_manager.new_step_starts()
         self.expire_pins()
+        self.promote_compiled()
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
@@ -180,13 +206,15 @@ class Scheduler:
         self.waiting.pop()
         request.status = RequestStatus.FINISHED_IGNORED
         self._free_request(request)
-        self._ignored.append(RequestOutput(request.request_id, [], True, request.get_finished_reason()))
+        self._unscheduled_outputs.append(RequestOutput(request.request_id, [], True, request.get_finished_reason()))
 
     @staticmethod
     def _has_all_tokens_in_flight(request: Request) -> bool:
-        """Async scheduling's skip-ahead: the steps still executing reach max_tokens already."""
-        return request.num_output_placeholders > 0 and \
-            request.num_output_tokens + request.num_output_placeholders >= request.max_tokens
+        """Async scheduling's skip-ahead: the steps still executing reach max_tokens already. A constrained
+        request waits for its token instead: its next mask depends on it."""
+        return request.num_output_placeholders > 0 and (
+            request.structured_output is not None
+            or request.num_output_tokens + request.num_output_placeholders >= request.max_tokens)
 
     def _num_new_tokens(self, request: Request, num_computed_tokens: int) -> int:
         """The request's uncomputed gap, before the step's remaining budget is applied."""
@@ -250,13 +278,18 @@ class Scheduler:
             preempted_req_ids=set(plan.preempted),
             finished_req_ids=self.finished_req_ids,
             scheduled_spec_decode_tokens=plan.spec_tokens,
+            structured_output_drafts={
+                request.request_id: plan.spec_tokens.get(request.request_id, [])
+                for group in (plan.running, plan.resumed, plan.new) for request, _, num_tokens in group
+                if request.structured_output is not None
+                and request.num_computed_tokens + num_tokens >= request.num_tokens_with_spec},
         )
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_output: ModelRunnerOutput) -> list[RequestOutput]:
         if self._compute_rate is not None:
             self._compute_rate.step_done(scheduler_output.total_num_scheduled_tokens)
-        outputs, self._ignored = self._ignored, []
+        outputs, self._unscheduled_outputs = self._unscheduled_outputs, []
         stopped: set[Request] = set()
         requests = self.requests
         update_block_hashes = self.kv_cache_manager.update_block_hashes
@@ -279,8 +312,8 @@ class Scheduler:
                 self._free_request(request)
             else:
                 update_block_hashes(request)
-            outputs.append(RequestOutput(req_id, new_token_ids, finished,
-                                         request.get_finished_reason(), request.stop_reason))
+            outputs.append(RequestOutput(req_id, new_token_ids, finished, request.get_finished_reason(),
+                                         request.stop_reason, _error(request)))
         if stopped:
             self.running = [request for request in self.running if request not in stopped]
         return outputs
@@ -306,6 +339,8 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token_id: int) -> bool:
         params = request.sampling_params
+        if request.structured_output is not None and self._grammar_ends(request, token_id):
+            return True
         if token_id == request.eos_token_id and not params.ignore_eos:
             request.status = RequestStatus.FINISHED_STOPPED
         elif token_id in params.stop_token_ids:
@@ -314,6 +349,20 @@ class Scheduler:
         elif (request.num_output_tokens >= params.max_tokens
               or request.num_tokens >= self.config.max_model_len):
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        else:
+            return False
+        return True
+
+    @staticmethod
+    def _grammar_ends(request: Request, token_id: int) -> bool:
+        """The grammar takes the token: it stops the request once complete, fails it if it rejects the token
+        (which the mask rules out)."""
+        grammar = request.structured_output.grammar
+        if not grammar.accept(token_id):
+            request.status = RequestStatus.FINISHED_ERROR
+            request.structured_output.error = f"the constraint rejected token {token_id}: {grammar.error}"
+        elif grammar.is_terminated():
+            request.status = RequestStatus.FINISHED_STOPPED
         else:
             return False
         return True
@@ -331,6 +380,8 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 stopped.add(request)
+            elif request in self.waiting_for_grammar:
+                self.waiting_for_grammar.remove(request)
             else:
                 self.waiting.remove(request)
             request.status = finished_status
@@ -359,7 +410,7 @@ class Scheduler:
         return self.kv_cache_manager.reset_prefix_cache()
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.waiting_for_grammar) + len(self.running)
 
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
@@ -367,7 +418,7 @@ class Scheduler:
     def make_stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_waiting=len(self.waiting) + len(self.waiting_for_grammar),
             kv_usage=self.kv_cache_manager.usage,
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=self.prefix_cache_queries,
@@ -398,6 +449,10 @@ class Scheduler:
                        for name, group in (("running", plan.running), ("resumed", plan.resumed),
                                            ("new", plan.new))},
             preempted=plan.preempted, num_pins=len(self.pins))
+
+
+def _error(request: Request) -> str | None:
+    return request.structured_output.error if request.status == RequestStatus.FINISHED_ERROR else None
 
 
 def _prefill_tokens_pending(request: Request) -> int:

@@ -7,6 +7,7 @@ from cluster.engine_client import EnginesBusy, ReplicaLost
 from replica.async_engine import EngineOutput, EngineRequest
 from replica.kv_cache import BlockStored, hash_token_blocks
 from replica.scheduler import SchedulerStats
+from tests.executor.helpers import byte_tokenizer_backend
 
 BLOCK_SIZE = 4
 HASH_SEED = 7
@@ -14,7 +15,11 @@ VOCAB_SIZE = 256
 
 
 class FakeTokenizer:
-    """One token per character; the chat template writes "role: content" lines then "assistant: "."""
+    """One token per character; the chat template writes "role: content" lines then "assistant: ". Constraints
+    compile against a real byte-level tokenizer (the ingress checks them)."""
+
+    backend = byte_tokenizer_backend()
+    eos_token_id = 257
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(char) % VOCAB_SIZE for char in text]

@@ -15,6 +15,7 @@ from replica.async_engine import ModelInfo
 from replica.kv_cache import hash_token_blocks
 from replica.request import SamplingParams
 from replica.scheduler import PinStats, SchedulerStats, SpecDecodingStats
+from replica.structured_output import StructuredOutputsParams
 from router.messages import ReplicaSnapshot, RouterSnapshot
 
 from .fakes import BLOCK_SIZE, HASH_SEED, VOCAB_SIZE, FakeEngineClient, FakeTokenizer, cached_tokens
@@ -331,8 +332,8 @@ def test_bad_completion_requests_get_openai_errors(body, status, message, code):
      "max_tokens must be at least 1, got -3"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
      "tools: not supported by this server"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
-     "response_format: not supported by this server"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema"}},
+     "response_format: json_schema is required when type is json_schema"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 5},
      "top_logprobs must be in [0, 20] and needs logprobs, got 5"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": 1}},
@@ -457,3 +458,65 @@ def test_metrics_have_one_series_per_replica():
                 f'replica="replica-a"}} {value}') in lines
     assert 'prefixserve:router_decisions_total{outcome="prefix_hit",policy="prefix"} 4.0' in lines
     assert 'prefixserve:router_decisions_total{outcome="no_hit",policy="prefix"} 1.0' in lines
+
+
+HI = [{"role": "user", "content": "hi"}]
+POINT = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+
+
+@pytest.mark.parametrize("fields, constraint", [
+    ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "point", "schema": POINT, "strict": True}}},
+     {"json_schema": POINT}),
+    ({"response_format": {"type": "text"}, "structured_outputs": {"regex": "[ab]+"}}, {"regex": "[ab]+"}),
+    ({"structured_outputs": {"json": '{"type": "integer"}', "disable_any_whitespace": True}},
+     {"json_schema": {"type": "integer"}, "whitespace_flexible": False}),
+    ({"structured_outputs": {"choice": ["yes", "no"]}}, {"choice": ["yes", "no"]}),
+    ({"structured_outputs": {"grammar": 'root ::= "a" | "b"'}}, {"grammar": 'root ::= "a" | "b"'}),
+])
+def test_constraints_reach_the_engine(fields, constraint):
+    engine = FakeEngineClient()
+    response = request(make_app(engine), "POST", "/v1/chat/completions",
+                       json={"model": MODEL, "messages": HI, "max_tokens": 2, **fields})
+    assert response.status_code == 200
+    assert engine.requests[0].params.structured_outputs == StructuredOutputsParams(**constraint)
+
+
+def test_completions_take_constraints_too():
+    engine = FakeEngineClient()
+    response = request(make_app(engine), "POST", "/v1/completions",
+                       json={"model": MODEL, "prompt": "hi", "response_format": {"type": "json_object"}})
+    assert response.status_code == 200
+    assert engine.requests[0].params.structured_outputs == StructuredOutputsParams(json_object=True)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+     "only one kind of constraint per request: response_format or structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}},
+     "exactly one kind of constraint (json, json_object, regex, choice or grammar) per request, got 2: regex, choice"),
+    ({"structured_outputs": {}}, "exactly one kind of constraint"),
+    ({"structured_outputs": {"choice": []}}, "choice must list at least one string"),
+    ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json is not valid JSON"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object",
+      "properties": {"a": {"$ref": "#/$defs/missing"}}}}}}, "the json constraint does not compile: "),
+    ({"structured_outputs": {"json": {"type": "object", "not": {"required": ["a"]}}}},
+     'the json constraint does not compile: Unimplemented keys: ["not"]'),
+    ({"structured_outputs": {"regex": "(unclosed"}}, "the regex constraint does not compile: "),
+    ({"structured_outputs": {"grammar": "start: undefined_rule"}}, "the grammar constraint does not compile: "),
+])
+def test_constraints_that_cannot_run_get_a_400_before_routing(fields, message):
+    engine = FakeEngineClient()
+    response = request(make_app(engine), "POST", "/v1/chat/completions",
+                       json={"model": MODEL, "messages": HI, **fields})
+    assert response.status_code == 400
+    assert message in error_of(response)["message"]
+    assert engine.requests == []
+
+
+def test_an_engine_that_fails_a_constraint_gets_a_400():
+    engine = FakeEngineClient(error=ValueError("the constraint took too long to compile"))
+    response = request(make_app(engine), "POST", "/v1/chat/completions",
+                       json={"model": MODEL, "messages": HI, "response_format": {"type": "json_object"}})
+    assert response.status_code == 400
+    assert error_of(response)["message"] == "the constraint took too long to compile"
