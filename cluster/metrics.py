@@ -7,13 +7,15 @@ gauges and cache counters, and the router's own series, come from this ingress's
 the router feed keeps current with every replica's stats; they are read at scrape time.
 Names mirror vLLM's (vllm:* -> prefixserve:*) with the same meaning.
 """
+import itertools
 import operator
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from replica.structured_output.stats import HistogramCounts
 from router.messages import RouterSnapshot
 
 PREFIX = "prefixserve:"
@@ -109,6 +111,8 @@ REPLICA_SERIES = [
      "Speculative decoding: draft tokens verified."),
     (CounterMetricFamily, "spec_decode_num_accepted_tokens", "stats.spec_decoding.num_accepted_tokens",
      "Speculative decoding: draft tokens accepted."),
+    (CounterMetricFamily, "structured_output_errors", "stats.structured_outputs.errors",
+     "Constrained requests that failed: their constraint did not compile in time, or the output left it."),
     (GaugeMetricFamily, "kv_cached_blocks", "stats.num_cached_blocks",
      "Blocks in the engine's prefix cache, which the router's index mirrors."),
     (GaugeMetricFamily, "router_index_blocks", "index_blocks", "Blocks the router believes the replica caches."),
@@ -138,11 +142,31 @@ class RouterCollector(Collector):
                 metric.add_metric([replica_id], value(replica))
             yield metric
         yield self._accepted_per_position()
+        yield from self._structured_outputs()
         decisions = CounterMetricFamily(PREFIX + "router_decisions", "Routing decisions by policy and outcome.",
                                         labels=["policy", "outcome"])
         for outcome, count in sorted(self.snapshot.decisions.items()):
             decisions.add_metric([self.snapshot.policy, outcome], count)
         yield decisions
+
+    def _structured_outputs(self):
+        replicas = sorted(self.snapshot.replicas.items())
+        requests = CounterMetricFamily(PREFIX + "structured_output_requests",
+                                       "Requests with a structured-output constraint, by kind.",
+                                       labels=["replica", "kind"])
+        compile_seconds = HistogramMetricFamily(PREFIX + "grammar_compile_seconds",
+                                                "Time to compile a constraint (once per distinct spec).",
+                                                labels=["replica"])
+        mask_fill_seconds = HistogramMetricFamily(PREFIX + "grammar_mask_fill_seconds",
+                                                  "Time to fill one step's token bitmask, while the forward pass ran.",
+                                                  labels=["replica"])
+        for replica_id, replica in replicas:
+            stats = replica.stats.structured_outputs
+            for kind, count in sorted(stats.requests.items()):
+                requests.add_metric([replica_id, kind], count)
+            compile_seconds.add_metric([replica_id], *_buckets(stats.compile_seconds))
+            mask_fill_seconds.add_metric([replica_id], *_buckets(stats.mask_fill_seconds))
+        return requests, compile_seconds, mask_fill_seconds
 
     def _accepted_per_position(self) -> CounterMetricFamily:
         metric = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
@@ -152,3 +176,10 @@ class RouterCollector(Collector):
             for position, count in enumerate(replica.stats.spec_decoding.num_accepted_tokens_per_pos):
                 metric.add_metric([replica_id, str(position)], count)
         return metric
+
+
+def _buckets(histogram: HistogramCounts) -> tuple[list[tuple[str, int]], float]:
+    """Prometheus's cumulative buckets ("le" bounds, "+Inf" last) and the sum."""
+    cumulative = itertools.accumulate(histogram.counts)
+    bounds = [str(bound) for bound in histogram.bounds] + ["+Inf"]
+    return list(zip(bounds, cumulative)), histogram.total

@@ -224,6 +224,8 @@ class EngineCore:
             finished, finish_reason = True, "stop"
         if finished:
             del self._requests[output.request_id]
+        if output.error is not None:
+            self.structured_outputs.stats.error()
         params, num_new = request.sampling_params, len(output.new_token_ids)
         return EngineOutput(
             request_id=output.request_id, new_token_ids=output.new_token_ids, new_text=new_text,
@@ -255,7 +257,9 @@ class EngineCore:
         return self.kv_cache_manager.cached_block_hashes()
 
     def stats(self) -> SchedulerStats:
-        return self.scheduler.make_stats()
+        stats = self.scheduler.make_stats()
+        stats.structured_outputs = self.structured_outputs.stats.snapshot()
+        return stats
 
     def check_health(self) -> None:
         """WorkerLost if a tensor-parallel rank is gone."""

@@ -68,6 +68,7 @@ def test_compact_json_has_no_whitespace(llm):
 
 def test_a_constraint_that_does_not_compile_fails_only_its_request(llm, person_greedy):
     bad = {"type": "object", "properties": {"a": {"$ref": "#/definitions/missing"}}}
+    before = llm.engine.stats().structured_outputs
     outputs = llm.chat([ASK] * 3, [constrained(json_schema=bad), constrained(json_schema=PERSON),
                                    constrained(grammar="start: nothing_defined")])
     assert [output.finish_reason for output in outputs] == ["error", "stop", "error"]
@@ -75,6 +76,10 @@ def test_a_constraint_that_does_not_compile_fails_only_its_request(llm, person_g
     assert outputs[1].token_ids == person_greedy
     assert outputs[0].token_ids == outputs[2].token_ids == []
     assert llm.engine.kv_cache_manager.usage == 0.0
+    after = llm.engine.stats().structured_outputs
+    assert (after.errors - before.errors, after.requests["json"] - before.requests.get("json", 0),
+            after.requests["grammar"] - before.requests.get("grammar", 0)) == (2, 2, 1)
+    assert sum(after.mask_fill_seconds.counts) > sum(before.mask_fill_seconds.counts)
 
 
 def test_a_compile_past_the_time_limit_fails_its_request(monkeypatch):

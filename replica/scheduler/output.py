@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from replica.request import SamplingParams
+from replica.structured_output.stats import StructuredOutputStats
 
 if TYPE_CHECKING:
     from replica.structured_output.manager import GrammarBitmask
@@ -100,3 +101,4 @@ class SchedulerStats:
     num_cached_blocks: int = 0           # blocks in the prefix cache's hash map: what the router's index mirrors
     pins: PinStats = field(default_factory=PinStats)
     spec_decoding: SpecDecodingStats = field(default_factory=SpecDecodingStats)
+    structured_outputs: StructuredOutputStats = field(default_factory=StructuredOutputStats)  # set by the engine

@@ -16,6 +16,7 @@ import numpy as np
 
 from replica.structured_output.backend import Grammar, GrammarError, GuidanceBackend
 from replica.structured_output.params import StructuredOutputsParams
+from replica.structured_output.stats import StatsRecorder
 
 
 class StructuredOutputRequest:
@@ -84,8 +85,10 @@ class StructuredOutputManager:
         self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
         self._clock = clock
         self.num_words = -(-backend.vocab_size // 32)
+        self.stats = StatsRecorder()
 
     def request(self, params: StructuredOutputsParams, replay_token_ids: list[int] = ()) -> StructuredOutputRequest:
+        self.stats.request(params.kind)
         return StructuredOutputRequest(params, self._compiled(params), self._clock() + self.compile_timeout_s,
                                        list(replay_token_ids), self.backend.copy, self._clock)
 
@@ -95,12 +98,19 @@ class StructuredOutputManager:
         key = params.key()
         future = self._cache.get(key)
         if future is None:
-            future = self._cache[key] = self._compile_pool.submit(self.backend.compile, params)
+            future = self._cache[key] = self._compile_pool.submit(self._timed_compile, params)
             if len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         else:
             self._cache.move_to_end(key)
         return future
+
+    def _timed_compile(self, params: StructuredOutputsParams) -> Grammar:
+        started = time.perf_counter()
+        try:
+            return self.backend.compile(params)
+        finally:
+            self.stats.compiled(time.perf_counter() - started)
 
     def fill_bitmask(self, rows: list[tuple[str, Grammar, list[int]]]) -> GrammarBitmask | None:
         """rows: (request id, its grammar, the drafts it verifies) of each constrained request that samples this
@@ -112,7 +122,14 @@ class StructuredOutputManager:
             first_rows[req_id] = num_rows
             num_rows += len(drafts) + 1
         bitmask = np.full((num_rows, self.num_words), -1, dtype=np.int32)
-        return GrammarBitmask(first_rows, self._fill_thread.submit(_fill, bitmask, rows, first_rows))
+        return GrammarBitmask(first_rows, self._fill_thread.submit(self._timed_fill, bitmask, rows, first_rows))
+
+    def _timed_fill(self, bitmask: np.ndarray, rows: list[tuple[str, Grammar, list[int]]],
+                    first_rows: dict[str, int]) -> np.ndarray:
+        started = time.perf_counter()
+        _fill(bitmask, rows, first_rows)
+        self.stats.mask_filled(time.perf_counter() - started)
+        return bitmask
 
     def shutdown(self) -> None:
         self._compile_pool.shutdown(wait=False, cancel_futures=True)

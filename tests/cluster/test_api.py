@@ -433,6 +433,10 @@ def test_metrics_have_one_series_per_replica():
     stats = SchedulerStats(num_running=2, num_waiting=1, kv_usage=0.25, num_preemptions=3, prefix_cache_queries=40,
                            prefix_cache_hits=16, num_cached_blocks=5, pins=PinStats(12, 9, 6, 2, 1, 300, 240),
                            spec_decoding=SpecDecodingStats(7, 18, 11, [6, 4, 1]))
+    stats.structured_outputs.requests.update(json=4, regex=1)
+    stats.structured_outputs.errors = 2
+    stats.structured_outputs.compile_seconds.observe(0.002)
+    stats.structured_outputs.compile_seconds.observe(20.0)
     snapshot = RouterSnapshot("prefix", {"replica-a": ReplicaSnapshot(stats, 5, 2, 32, 16, 3)},
                               {"prefix_hit": 4, "no_hit": 1})
     app = make_app(FakeEngineClient("replica-a"), snapshot=snapshot)
@@ -450,6 +454,8 @@ def test_metrics_have_one_series_per_replica():
         "router_parked_sessions": 3.0, "router_predicted_cached_tokens_total": 32.0,
         "router_actual_cached_tokens_total": 16.0, "spec_decode_num_drafts_total": 7.0,
         "spec_decode_num_draft_tokens_total": 18.0, "spec_decode_num_accepted_tokens_total": 11.0,
+        "structured_output_errors_total": 2.0, "grammar_compile_seconds_count": 2.0,
+        "grammar_compile_seconds_sum": 20.002, "grammar_mask_fill_seconds_count": 0.0,
     }
     for name, value in per_replica.items():
         assert f'prefixserve:{name}{{replica="replica-a"}} {value}' in lines
@@ -458,6 +464,10 @@ def test_metrics_have_one_series_per_replica():
                 f'replica="replica-a"}} {value}') in lines
     assert 'prefixserve:router_decisions_total{outcome="prefix_hit",policy="prefix"} 4.0' in lines
     assert 'prefixserve:router_decisions_total{outcome="no_hit",policy="prefix"} 1.0' in lines
+    assert 'prefixserve:structured_output_requests_total{kind="json",replica="replica-a"} 4.0' in lines
+    assert 'prefixserve:structured_output_requests_total{kind="regex",replica="replica-a"} 1.0' in lines
+    for bound, count in (("0.001", 0.0), ("0.0025", 1.0), ("10.0", 1.0), ("+Inf", 2.0)):
+        assert f'prefixserve:grammar_compile_seconds_bucket{{le="{bound}",replica="replica-a"}} {count}' in lines
 
 
 HI = [{"role": "user", "content": "hi"}]
