@@ -8,6 +8,7 @@ from typing import Any, ClassVar, Literal
 
 import pydantic
 
+from cluster.tool_calls import ToolCallParser
 from replica.request import SamplingParams
 from replica.structured_output import StructuredOutputsParams
 
@@ -159,22 +160,26 @@ class _GenerationRequest(pydantic.BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """ValueError (pydantic's included) for values that do not go together."""
+    def sampling_params(self, max_tokens: int, tool_constraint: StructuredOutputsParams | None = None
+                        ) -> SamplingParams:
+        """tool_constraint: the grammar of a forced tool call. ValueError (pydantic's included) for values that
+        do not go together."""
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         logprobs, top_logprobs = self.requested_logprobs
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos,
                               logprobs=logprobs, top_logprobs=top_logprobs,
-                              structured_outputs=self.structured_outputs_params())
+                              structured_outputs=self.structured_outputs_params(tool_constraint))
 
-    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+    def structured_outputs_params(self, tool_constraint: StructuredOutputsParams | None = None
+                                  ) -> StructuredOutputsParams | None:
         constraints = [constraint for constraint in (
             self.response_format.constraint() if self.response_format else {},
             self.structured_outputs.constraint() if self.structured_outputs else {}) if constraint]
-        if len(constraints) > 1:
-            raise ValueError("only one kind of constraint per request: response_format or structured_outputs")
-        return StructuredOutputsParams(**constraints[0]) if constraints else None
+        if len(constraints) + (tool_constraint is not None) > 1:
+            raise ValueError("only one kind of constraint per request: response_format, structured_outputs or a "
+                             "tool_choice that forces a call")
+        return StructuredOutputsParams(**constraints[0]) if constraints else tool_constraint
 
 
 class CompletionRequest(_GenerationRequest):
@@ -202,27 +207,104 @@ class TextPart(pydantic.BaseModel):
     text: str
 
 
+class FunctionCall(pydantic.BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+    def as_template_input(self) -> dict[str, Any]:
+        """Templates take the arguments as an object (Qwen's writes them with tojson)."""
+        try:
+            arguments = json.loads(self.arguments)
+        except json.JSONDecodeError:
+            raise ValueError(f"tool call {self.name!r}: arguments are not valid JSON") from None
+        return {"name": self.name, "arguments": arguments}
+
+
+class ToolCallParam(pydantic.BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(pydantic.BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallParam] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # the call a tool message answers
+    name: str | None = None
 
-    def as_template_input(self) -> dict[str, str]:
+    def as_template_input(self) -> dict[str, Any]:
+        """ValueError for tool-call arguments that are not JSON."""
         content = self.content or ""
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content}
+        message: dict[str, Any] = {"role": self.role, "content": content}
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": call.id, "type": "function", "function": call.function.as_template_input()}
+                                     for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class FunctionDefinition(pydantic.BaseModel):
+    name: str = pydantic.Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolParam(pydantic.BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedToolChoice(pydantic.BaseModel):
+    class Function(pydantic.BaseModel):
+        name: str
+
+    type: Literal["function"]
+    function: Function
 
 
 class ChatCompletionRequest(_GenerationRequest):
     UNSUPPORTED = _GenerationRequest.UNSUPPORTED | {
-        "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-        "audio": (None,), "modalities": (None, ["text"]),
+        "functions": (None, []), "function_call": (None, "none"), "audio": (None,), "modalities": (None, ["text"]),
         "prediction": (None,)}
 
     messages: list[ChatMessage] = pydantic.Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[ToolParam] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @pydantic.model_validator(mode="after")
+    def _tool_choice_names_a_tool(self) -> "ChatCompletionRequest":
+        names = {tool.function.name for tool in self.tools or ()}
+        if self.tool_choice in ("required",) or isinstance(self.tool_choice, NamedToolChoice):
+            if not names:
+                raise ValueError("tool_choice other than none and auto needs tools")
+            if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+                raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not among the tools")
+        return self
+
+    @property
+    def tools_in_play(self) -> list[dict[str, Any]]:
+        """The tools the model may call (tool_choice none: none); a named choice leaves only that one."""
+        if not self.tools or self.tool_choice == "none":
+            return []
+        tools = [tool.model_dump(exclude_none=True) for tool in self.tools]
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return [tool for tool in tools if tool["function"]["name"] == self.tool_choice.function.name]
+        return tools
+
+    @property
+    def forces_a_call(self) -> bool:
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
 
     @property
     def requested_logprobs(self) -> tuple[bool, int]:
@@ -307,12 +389,53 @@ class CompletionFormat(ResponseFormat):
 
 
 class ChatFormat(ResponseFormat):
+    """tool_calls: how to find the calls of the request's tools in the model's text, when it may call them.
+    Streamed, text that may begin a call is held back until it is known not to; each call then goes out as a
+    delta with its index, id, type and name, and one with its whole arguments (equal to the unstreamed ones)."""
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
+    def __init__(self, response_id: str, model: str, tool_calls: ToolCallParser | None = None):
+        super().__init__(response_id, model)
+        self._tool_calls = tool_calls
+        self._streamed_text = ""
+        self._num_content_chars_sent = 0
+
     def choice(self, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
-        return {"index": 0, "message": {"role": "assistant", "content": text},
-                "logprobs": _chat_logprobs(logprobs), "finish_reason": finish_reason}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self._tool_calls is not None and (parsed := self._tool_calls.parse(text))[1]:
+            content, calls = parsed
+            message = {"role": "assistant", "content": content or None,
+                       "tool_calls": [call.as_openai() for call in calls]}
+            finish_reason = _with_calls(finish_reason)
+        return {"index": 0, "message": message, "logprobs": _chat_logprobs(logprobs), "finish_reason": finish_reason}
+
+    def chunk(self, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None = None) -> str:
+        """"" when everything new is held back."""
+        if self._tool_calls is None:
+            return super().chunk(text, finish_reason, logprobs)
+        self._streamed_text += text
+        if finish_reason is None:
+            held_from = max(self._tool_calls.format.held_back(self._streamed_text), self._num_content_chars_sent)
+            content = self._streamed_text[self._num_content_chars_sent:held_from]
+            self._num_content_chars_sent = held_from
+            return super().chunk(content, None, logprobs) if content or logprobs else ""
+        content, calls = self._tool_calls.parse(self._streamed_text)
+        if not calls:
+            return super().chunk(self._streamed_text[self._num_content_chars_sent:], finish_reason, logprobs)
+        events = [super().chunk(content[self._num_content_chars_sent:], None)] \
+            if len(content) > self._num_content_chars_sent else []
+        for index, call in enumerate(calls):
+            opening = {"index": index, "id": call.id, "type": "function",
+                       "function": {"name": call.name, "arguments": ""}}
+            events += [self._delta({"tool_calls": [opening]}),
+                       self._delta({"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]})]
+        events.append(super().chunk("", _with_calls(finish_reason), logprobs))
+        return "".join(events)
+
+    def _delta(self, delta: dict[str, Any]) -> str:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+        return sse(self._envelope(self.chunk_object, [choice]))
 
     def chunk_choice(self, text: str, finish_reason: str | None,
                      logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
@@ -323,6 +446,10 @@ class ChatFormat(ResponseFormat):
         opening = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                    "finish_reason": None}
         return [sse(self._envelope(self.chunk_object, [opening]))]
+
+
+def _with_calls(finish_reason: str | None) -> str | None:
+    return "tool_calls" if finish_reason == "stop" else finish_reason
 
 
 def _chat_logprobs(tokens: list[TokenLogprob] | None) -> dict[str, Any] | None:

@@ -26,9 +26,11 @@ from cluster.migration import MigratingEngineClient
 from cluster.protocol import (REPLICA_HEADER, SSE_DONE, APIError, ChatCompletionRequest, ChatFormat,
                               CompletionFormat, CompletionRequest, ResponseFormat, TokenLogprob, describe, sse,
                               usage)
+from cluster.tool_calls import ToolCallParser, format_for
 from replica.async_engine import EngineOutput, EngineRequest, ModelInfo
 from replica.kv_cache import hash_token_blocks
 from replica.request import SamplingParams
+from replica.structured_output import StructuredOutputsParams
 from replica.structured_output.backend import GrammarError, GuidanceBackend
 from replica.structured_output.manager import StructuredOutputManager
 
@@ -50,7 +52,12 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]: ...
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]: ...
+
+    @property
+    def tools_template(self) -> str | None: ...
+
+    def special_token_id(self, text: str) -> int | None: ...
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
@@ -163,16 +170,38 @@ class OpenAIServing:
     def _prepare_chat_completion(self, raw_body: bytes, session_id: str | None) -> _Prepared:
         body = _parse(raw_body, ChatCompletionRequest, session_id)
         self._check_model(body.model)
+        tools = [tool.model_dump(exclude_none=True) for tool in body.tools or ()]
         try:
-            prompt_token_ids = self.tokenizer.apply_chat_template([m.as_template_input() for m in body.messages])
+            prompt_token_ids = self.tokenizer.apply_chat_template([m.as_template_input() for m in body.messages],
+                                                                  tools)
         except ValueError as exc:  # the template refused the conversation
             raise APIError(str(exc), param="messages") from None
-        response_format = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", self.model.name)
-        return self._prepare(body, prompt_token_ids, response_format)
+        parser, tool_constraint = self._tool_calls(body)
+        response_format = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", self.model.name, parser)
+        return self._prepare(body, prompt_token_ids, response_format, tool_constraint=tool_constraint)
+
+    def _tool_calls(self, body: ChatCompletionRequest) -> tuple[ToolCallParser | None, StructuredOutputsParams | None]:
+        """How to find the calls in the answer, and the grammar that forces one (tool_choice required or named)."""
+        tools = body.tools_in_play
+        if not tools:
+            return None, None
+        call_format = format_for(self.tokenizer.tools_template)
+        if call_format is None:
+            raise APIError("this model's chat template writes tool calls in a format prefixserve does not parse",
+                           param="tools")
+        parser = ToolCallParser(call_format, frozenset(tool["function"]["name"] for tool in tools))
+        if not body.forces_a_call:
+            return parser, None
+        try:
+            grammar = call_format.grammar(tools, body.parallel_tool_calls, self.tokenizer.special_token_id)
+        except ValueError as exc:
+            raise APIError(str(exc), param="tools") from None
+        return parser, StructuredOutputsParams(grammar=grammar)
 
     def _prepare(self, body: CompletionRequest | ChatCompletionRequest, prompt_token_ids: list[int],
-                 response_format: ResponseFormat, *, default_max_tokens: int | None = None) -> _Prepared:
-        params = self._sampling_params(body, len(prompt_token_ids), default_max_tokens)
+                 response_format: ResponseFormat, *, default_max_tokens: int | None = None,
+                 tool_constraint: StructuredOutputsParams | None = None) -> _Prepared:
+        params = self._sampling_params(body, len(prompt_token_ids), default_max_tokens, tool_constraint)
         request = EngineRequest(
             request_id=response_format.response_id, prompt_token_ids=prompt_token_ids,
             block_hashes=hash_token_blocks(prompt_token_ids, self.model.block_size, cache_salt=body.cache_salt,
@@ -215,7 +244,8 @@ class OpenAIServing:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _sampling_params(self, body: CompletionRequest | ChatCompletionRequest, num_prompt_tokens: int,
-                         default_max_tokens: int | None) -> SamplingParams:
+                         default_max_tokens: int | None, tool_constraint: StructuredOutputsParams | None
+                         ) -> SamplingParams:
         max_model_len = self.model.max_model_len
         if num_prompt_tokens == 0:
             raise APIError("the prompt is empty", param="prompt")
@@ -231,7 +261,7 @@ class OpenAIServing:
                            f"{num_prompt_tokens} tokens, which leaves room for {room} generated tokens, "
                            f"but max_tokens is {max_tokens}.", code="context_length_exceeded", param="max_tokens")
         try:
-            return body.sampling_params(max_tokens)
+            return body.sampling_params(max_tokens, tool_constraint)
         except pydantic.ValidationError as exc:
             raise APIError(describe(exc)) from None
         except ValueError as exc:
@@ -256,8 +286,9 @@ class OpenAIServing:
                 yield chunk
             async for output in _resumed(first, outputs):
                 logprobs = progress.add(output)
-                if output.new_text or output.finished or logprobs:
-                    yield response_format.chunk(output.new_text, output.finish_reason, logprobs)
+                if (output.new_text or output.finished or logprobs) and \
+                        (chunk := response_format.chunk(output.new_text, output.finish_reason, logprobs)):
+                    yield chunk
             if include_usage:
                 yield response_format.usage_chunk(progress.usage())
         except ENGINE_ERRORS as exc:

@@ -9,6 +9,8 @@ from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers,
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.models import BPE
 
+from replica.executor.chat_templates import CHATML_TOOLS
+
 _UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4  # llama.cpp token types
 
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -26,7 +28,7 @@ class Tokenizer:
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.chat_template = chat_template
-        self._template: jinja2.Template | None = None
+        self._templates: dict[str, jinja2.Template] = {}
 
     @classmethod
     def from_gguf_metadata(cls, metadata: dict[str, Any]) -> "Tokenizer":
@@ -70,19 +72,38 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict]) -> str:
-        """The chat template applied to messages, with the assistant's generation prompt appended."""
-        if self.chat_template is None:
-            raise ValueError("this model has no chat template")
-        if self._template is None:
-            self._template = _compile_template(self.chat_template)
-        return self._template.render(
-            messages=[_check_message(message) for message in messages], add_generation_prompt=True,
-            bos_token=self._token_text(self.bos_token_id), eos_token=self._token_text(self.eos_token_id))
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The chat template applied to messages (and the tools, OpenAI's list of {"type": "function",
+        "function": {...}}), with the assistant's generation prompt appended."""
+        source = self.tools_template if tools else self.chat_template
+        if source is None:
+            raise ValueError("this model has no chat template" if self.chat_template is None else
+                             "this model's chat template does not render tools")
+        if source not in self._templates:
+            self._templates[source] = _compile_template(source)
+        return self._templates[source].render(
+            messages=[_check_message(message) for message in messages], tools=tools or None,
+            add_generation_prompt=True, bos_token=self._token_text(self.bos_token_id),
+            eos_token=self._token_text(self.eos_token_id))
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    @property
+    def tools_template(self) -> str | None:
+        """The template that renders tools: the model's own if it has a tools branch, prefixserve's for a ChatML
+        model whose template has none (SmolLM2's), else None."""
+        template = self.chat_template
+        if template is None or "tools" in template:
+            return template
+        return CHATML_TOOLS if "<|im_start|>" in template else None
+
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         # the template writes any BOS itself
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, tools), add_special_tokens=False)
+
+    def special_token_id(self, text: str) -> int | None:
+        """The id of the special token that is text, if there is one (a grammar must name it by id)."""
+        token_id = self.backend.token_to_id(text)
+        added = self.backend.get_added_tokens_decoder().get(token_id) if token_id is not None else None
+        return token_id if added is not None and added.special else None
 
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else self.backend.id_to_token(token_id)
@@ -171,14 +192,24 @@ def _compile_template(source: str) -> jinja2.Template:
         raise ValueError(f"chat template: {message}")
 
     env.globals["raise_exception"] = raise_exception
+    env.filters["tojson"] = _tojson
     return env.from_string(source)
 
 
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
+            sort_keys: bool = False) -> str:
+    """JSON as Hugging Face's templates expect it: not escaped for HTML (jinja's own filter writes < as \\u003c)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 def _check_message(message: Any) -> dict:
-    """A chat message with string content; OpenAI's list of text parts is joined."""
+    """A chat message with string content (an assistant's that only calls tools may have none); OpenAI's list of
+    text parts is joined."""
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise ValueError(f"a chat message must be a dict with a string 'role', got {message!r}")
     content = message.get("content")
+    if content is None and message.get("tool_calls"):
+        content = ""
     if isinstance(content, list):
         if not all(isinstance(part, dict) and part.get("type") == "text" for part in content):
             raise ValueError("only text content parts are supported in chat messages")

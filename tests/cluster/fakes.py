@@ -7,6 +7,7 @@ from cluster.engine_client import EnginesBusy, ReplicaLost
 from replica.async_engine import EngineOutput, EngineRequest
 from replica.kv_cache import BlockStored, hash_token_blocks
 from replica.scheduler import SchedulerStats
+from replica.executor.chat_templates import CHATML_TOOLS
 from tests.executor.helpers import byte_tokenizer_backend
 
 BLOCK_SIZE = 4
@@ -24,11 +25,18 @@ class FakeTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(char) % VOCAB_SIZE for char in text]
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    tools_template = CHATML_TOOLS  # tool calls in the smollm2 format
+
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """With tools, a first line names them."""
         if messages[-1]["role"] == "assistant":
             raise ValueError("chat template: the last message must not be the assistant's")
-        text = "".join(f"{message['role']}: {message['content']}\n" for message in messages)
+        text = f"tools: {','.join(tool['function']['name'] for tool in tools)}\n" if tools else ""
+        text += "".join(f"{message['role']}: {message['content']}\n" for message in messages)
         return self.encode(text + "assistant: ")
+
+    def special_token_id(self, text: str) -> int | None:
+        return None
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         """FakeEngineCore's tokens 100 + i read "t<i> "; the others are characters."""

@@ -331,7 +331,14 @@ def test_bad_completion_requests_get_openai_errors(body, status, message, code):
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -3},
      "max_tokens must be at least 1, got -3"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
-     "tools: not supported by this server"),
+     "tools.0.function: Field required"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"},
+     "tool_choice other than none and auto needs tools"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [
+        {"type": "function", "function": {"name": "a"}}], "tool_choice": {"type": "function", "function": {"name": "b"}}},
+     "tool_choice names 'b', which is not among the tools"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "a"}]},
+     "functions: not supported by this server"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema"}},
      "response_format: json_schema is required when type is json_schema"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 5},
@@ -353,12 +360,12 @@ def test_the_openai_client_raises_on_errors():
         with_openai(make_app(), unknown_model)
 
 
-    async def with_tools(client: openai.AsyncOpenAI):
-        await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], tools=[
-            {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}])
+    async def with_penalty(client: openai.AsyncOpenAI):
+        await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                             frequency_penalty=0.5)
 
-    with pytest.raises(openai.BadRequestError, match="tools: not supported by this server"):
-        with_openai(make_app(), with_tools)
+    with pytest.raises(openai.BadRequestError, match="frequency_penalty: not supported by this server"):
+        with_openai(make_app(), with_penalty)
 
 
 def test_completion_logprobs_in_openais_legacy_shape():
@@ -502,7 +509,8 @@ def test_completions_take_constraints_too():
 
 @pytest.mark.parametrize("fields, message", [
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
-     "only one kind of constraint per request: response_format or structured_outputs"),
+     "only one kind of constraint per request: response_format, structured_outputs or a tool_choice that forces "
+     "a call"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}},
      "exactly one kind of constraint (json, json_object, regex, choice or grammar) per request, got 2: regex, choice"),
     ({"structured_outputs": {}}, "exactly one kind of constraint"),

@@ -1,5 +1,6 @@
-"""Structured outputs through the openai client against the real app (2 replicas of the real model, fp32): JSON
-schemas drawn from every MaskBench category at temperature 0 and 1, pydantic parsing, and a stream."""
+"""Structured outputs and tool calls through the openai client against the real app (2 replicas of the real model,
+fp32): JSON schemas drawn from every MaskBench category at temperature 0 and 1, pydantic parsing, a stream, calls
+forced over BFCL's tools, streamed calls, and a two-turn tool loop."""
 import json
 import random
 from concurrent.futures import ThreadPoolExecutor
@@ -11,6 +12,7 @@ import pytest
 
 from benchmarks.jsonschemabench import CATEGORIES, load_schemas
 from cluster.config import ClusterConfig
+from cluster.protocol import REPLICA_HEADER
 from replica.executor.checkpoint import load_checkpoint
 from replica.structured_output import StructuredOutputsParams
 from replica.structured_output.backend import GrammarError, GuidanceBackend
@@ -108,3 +110,69 @@ def test_a_streamed_constrained_answer_joins_to_the_unstreamed_one(client):
     assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices) == \
         whole.message.content
     assert whole.finish_reason == chunks[-1].choices[0].finish_reason == "stop"
+
+
+def bfcl_tool_sets(count: int) -> list[list[dict]]:
+    """BFCL's schemas ({"properties": {function name: its parameters}}, or anyOf several) as sets of OpenAI tools."""
+    tool_sets = []
+    for schema in random.Random(1).sample(list(load_schemas(("BFCL",))), count):
+        tool_sets.append([{"type": "function", "function": {"name": name.replace(".", "_")[:64], "parameters": params}}
+                          for branch in schema.schema.get("anyOf", [schema.schema])
+                          for name, params in branch["properties"].items()])
+    return tool_sets
+
+
+def tool_request(tools: list[dict], choice, **extra) -> dict:
+    return dict(model=MODEL, messages=[{"role": "user", "content": "Call a tool with plausible arguments."}],
+                tools=tools, tool_choice=choice, max_tokens=200, **extra)
+
+
+def test_forced_calls_over_bfcl_tools_have_arguments_that_validate(client):
+    cases = [(tools, choice) for tools in bfcl_tool_sets(40)
+             for choice in ("required", {"type": "function", "function": {"name": tools[0]["function"]["name"]}})]
+    with ThreadPoolExecutor(32) as pool:
+        answers = list(pool.map(lambda case: client.chat.completions.create(
+            **tool_request(*case, temperature=1.0, seed=3)).choices[0], cases))
+    called = 0
+    for (tools, choice), answer in zip(cases, answers):
+        assert answer.finish_reason in ("tool_calls", "length")
+        parameters = {tool["function"]["name"]: tool["function"]["parameters"] for tool in tools}
+        for call in answer.message.tool_calls or ():
+            assert choice == "required" or call.function.name == choice["function"]["name"]
+            jsonschema.validate(json.loads(call.function.arguments), parameters[call.function.name])
+            called += 1
+    assert called >= 60, [answer.finish_reason for answer in answers]
+
+
+def test_streamed_call_deltas_join_to_the_unstreamed_arguments(client):
+    for tools in bfcl_tool_sets(4):
+        args = tool_request(tools, "required", temperature=0)
+        whole = client.chat.completions.create(**args).choices[0]
+        chunks = [chunk.choices[0] for chunk in client.chat.completions.create(stream=True, **args) if chunk.choices]
+        deltas = [call for chunk in chunks for call in chunk.delta.tool_calls or ()]
+        names = [delta.function.name for delta in deltas if delta.id is not None]
+        joined = ["".join(delta.function.arguments or "" for delta in deltas if delta.index == index)
+                  for index in range(len(names))]
+        assert names == [call.function.name for call in whole.message.tool_calls]
+        assert joined == [call.function.arguments for call in whole.message.tool_calls]
+        assert chunks[-1].finish_reason == whole.finish_reason == "tool_calls"
+
+
+def test_a_tool_loop_continues_from_the_cached_conversation(client):
+    tool = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city today.",
+                                             "parameters": {"type": "object", "required": ["city"],
+                                                            "properties": {"city": {"type": "string"}}}}}
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, tools=[tool],
+                                                           tool_choice="required", max_tokens=64, temperature=0)
+    first = raw.parse()
+    call = first.choices[0].message.tool_calls[0]
+    assert (call.function.name, json.loads(call.function.arguments).keys()) == ("get_weather", {"city"})
+    messages += [first.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 C"}]
+    raw_again = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, tools=[tool],
+                                                                 max_tokens=32, temperature=0)
+    second = raw_again.parse()
+    assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert raw_again.headers[REPLICA_HEADER] == raw.headers[REPLICA_HEADER]  # routed to the cached conversation
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens // 16 * 16 - 16
