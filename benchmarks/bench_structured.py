@@ -1,0 +1,83 @@
+"""What constrained decoding costs the engine: 64 concurrent requests with 0%, 50% and 100% of them under a JSON
+schema, against 0% in the same run.
+
+    python benchmarks/bench_structured.py                # SmolLM2-135M-Instruct, 64 requests x 64 tokens, 3 rounds
+    python benchmarks/bench_structured.py --requests 32 --max-tokens 128 --rounds 5
+
+The schema asks for an object with a list of at least 60 strings, so that no constrained request ends before
+max_tokens and every variant runs the same batch shape (the unconstrained requests ignore EOS). Each variant adds
+all its requests at once to one in-process engine (warmed up) and steps it until they end; output tok/s is output
+tokens over that wall time, TPOT a request's (last token - first token) / (tokens - 1). The variants take turns
+within each round; the table has each one's median over the rounds and its ratio to 0% of the same round.
+"""
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+
+from benchmarks.timing import percentile  # noqa: E402
+from replica.engine import LLM  # noqa: E402
+from replica.request import SamplingParams  # noqa: E402
+from replica.structured_output import StructuredOutputsParams  # noqa: E402
+
+SCHEMA = {"type": "object", "required": ["city", "facts"], "additionalProperties": False,
+          "properties": {"city": {"type": "string", "maxLength": 30},
+                         "facts": {"type": "array", "minItems": 60, "items": {"type": "string", "maxLength": 60}}}}
+QUESTION = "List facts about city number {} as JSON."
+
+
+def run(llm: LLM, num_requests: int, num_constrained: int, max_tokens: int) -> tuple[float, list[float]]:
+    """(output tok/s, every request's TPOT in seconds) of one batch."""
+    engine = llm.engine
+    plain = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    constrained = SamplingParams(max_tokens=max_tokens, temperature=0,
+                                 structured_outputs=StructuredOutputsParams(json_schema=SCHEMA))
+    token_times: dict[str, list[float]] = {}
+    started = time.perf_counter()
+    for index in range(num_requests):
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": QUESTION.format(index)}])
+        engine.add_request(f"{time.monotonic_ns()}-{index}", prompt, constrained if index < num_constrained else plain)
+    while engine.has_unfinished():
+        for output in engine.step():
+            token_times.setdefault(output.request_id, []).extend([time.perf_counter()] * len(output.new_token_ids))
+    wall = time.perf_counter() - started
+    num_tokens = sum(map(len, token_times.values()))
+    assert num_tokens == num_requests * max_tokens, "a request ended before max_tokens: the batches differ"
+    return num_tokens / wall, [(times[-1] - times[0]) / (len(times) - 1) for times in token_times.values()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dtype", default=None, help="default: the engine's (bf16 where the CPU has it, else fp32)")
+    args = parser.parse_args()
+    llm = LLM(dtype=args.dtype, max_num_seqs=args.requests)
+    fractions = (0.0, 0.5, 1.0)
+    run(llm, args.requests, args.requests, 8)  # warm-up: kernels, the grammar tokenizer, the schema's compile
+    results: dict[float, list[tuple[float, list[float]]]] = {fraction: [] for fraction in fractions}
+    for _ in range(args.rounds):
+        for fraction in fractions:
+            results[fraction].append(run(llm, args.requests, round(fraction * args.requests), args.max_tokens))
+    print(f"{args.requests} requests x {args.max_tokens} tokens, {args.rounds} rounds, "
+          f"{str(llm.engine.runner.model.model.embed_tokens.weight.dtype).removeprefix('torch.')}")
+    print("| under a schema | output tok/s | x 0% | TPOT p50 (ms) | TPOT p99 (ms) | TPOT p50 x 0% |")
+    print("|---|---|---|---|---|---|")
+    for fraction in fractions:
+        rounds = results[fraction]
+        throughput = statistics.median(tok_s for tok_s, _ in rounds)
+        ratio = statistics.median(tok_s / base for (tok_s, _), (base, _) in zip(rounds, results[0.0]))
+        p50 = statistics.median(percentile(tpots, 50) for _, tpots in rounds)
+        p99 = statistics.median(percentile(tpots, 99) for _, tpots in rounds)
+        p50_ratio = statistics.median(percentile(tpots, 50) / percentile(base, 50)
+                                      for (_, tpots), (_, base) in zip(rounds, results[0.0]))
+        print(f"| {fraction:.0%} | {throughput:.1f} | {ratio:.3f} | {p50 * 1e3:.1f} | {p99 * 1e3:.1f} | "
+              f"{p50_ratio:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
