@@ -3,12 +3,17 @@ schema, against 0% in the same run.
 
     python benchmarks/bench_structured.py                # SmolLM2-135M-Instruct, 64 requests x 64 tokens, 3 rounds
     python benchmarks/bench_structured.py --requests 32 --max-tokens 128 --rounds 5
+    python benchmarks/bench_structured.py --slow-compile  # streams' inter-token latency while a constraint compiles
 
 The schema asks for an object with a list of at least 60 strings, so that no constrained request ends before
 max_tokens and every variant runs the same batch shape (the unconstrained requests ignore EOS). Each variant adds
 all its requests at once to one in-process engine (warmed up) and steps it until they end; output tok/s is output
 tokens over that wall time, TPOT a request's (last token - first token) / (tokens - 1). The variants take turns
 within each round; the table has each one's median over the rounds and its ratio to 0% of the same round.
+
+--slow-compile: 16 unconstrained streams decode while a request arrives whose constraint (a choice among 50,000
+strings) takes seconds to compile; it prints the streams' step times (their inter-token latency) before, while and
+after it compiles. The compile runs on its own thread: the engine loop keeps stepping the others.
 """
 import argparse
 import statistics
@@ -49,14 +54,44 @@ def run(llm: LLM, num_requests: int, num_constrained: int, max_tokens: int) -> t
     return num_tokens / wall, [(times[-1] - times[0]) / (len(times) - 1) for times in token_times.values()]
 
 
+def slow_compile(llm: LLM, num_streams: int = 16, max_tokens: int = 160) -> None:
+    engine = llm.engine
+    plain = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    slow = SamplingParams(max_tokens=4, temperature=0, structured_outputs=StructuredOutputsParams(
+        choice=[f"option number {index}" for index in range(50_000)]))
+    prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": QUESTION.format(0)}])
+    for index in range(num_streams):
+        engine.add_request(f"stream-{index}", prompt, plain)
+    windows: dict[str, list[float]] = {"before": [], "while compiling": [], "after": []}
+    compiling = None
+    while engine.has_unfinished():
+        started = time.perf_counter()
+        outputs = engine.step()
+        if any(output.request_id.startswith("stream-") and output.new_token_ids for output in outputs):
+            window = "before" if compiling is None else "while compiling" if not compiling.future.done() else "after"
+            windows[window].append(time.perf_counter() - started)
+        if compiling is None and len(windows["before"]) == 20:
+            engine.add_request("slow", prompt, slow)
+            compiling = engine.scheduler.requests["slow"].structured_output
+    compile_s = engine.stats().structured_outputs.compile_seconds.total
+    print(f"{num_streams} streams; the constraint compiled in {compile_s:.2f} s")
+    print("| window | steps | step time p50 (ms) | p99 (ms) |")
+    print("|---|---|---|---|")
+    for window, times in windows.items():
+        print(f"| {window} | {len(times)} | {percentile(times, 50) * 1e3:.1f} | {percentile(times, 99) * 1e3:.1f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dtype", default=None, help="default: the engine's (bf16 where the CPU has it, else fp32)")
+    parser.add_argument("--slow-compile", action="store_true")
     args = parser.parse_args()
     llm = LLM(dtype=args.dtype, max_num_seqs=args.requests)
+    if args.slow_compile:
+        return slow_compile(llm)
     fractions = (0.0, 0.5, 1.0)
     run(llm, args.requests, args.requests, 8)  # warm-up: kernels, the grammar tokenizer, the schema's compile
     results: dict[float, list[tuple[float, list[float]]]] = {fraction: [] for fraction in fractions}

@@ -1,5 +1,6 @@
 """The OpenAI wire format: request bodies, response and chunk builders, error bodies."""
 import abc
+import copy
 import itertools
 import json
 import time
@@ -41,6 +42,9 @@ def describe(error: pydantic.ValidationError) -> str:
         message = problem["msg"].removeprefix("Value error, ")
         problems.append(f"{field}: {message}" if field else message)
     return "; ".join(problems)
+
+
+MAX_CHOICES = 128  # OpenAI's limit on n
 
 
 class StreamOptions(pydantic.BaseModel):
@@ -113,7 +117,7 @@ class _GenerationRequest(pydantic.BaseModel):
     top_k: int = 0
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = 1
+    n: int = pydantic.Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted as OpenAI does; not used
@@ -139,13 +143,6 @@ class _GenerationRequest(pydantic.BaseModel):
                 if data.get(name) not in asks_for_nothing:
                     raise ValueError(f"{name}: not supported by this server")
         return data
-
-    @pydantic.field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported")
-        return n
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -333,7 +330,7 @@ class TokenLogprob:
 
 
 class ResponseFormat(abc.ABC):
-    """How one kind of endpoint (completions, chat) shapes its responses and stream chunks."""
+    """How one kind of endpoint (completions, chat) shapes one choice of its responses and stream chunks."""
 
     object: str
     chunk_object: str
@@ -342,10 +339,18 @@ class ResponseFormat(abc.ABC):
         self.response_id = response_id
         self.model = model
         self.created = int(time.time())
+        self.index = 0  # the choice's
 
-    def response(self, text: str, finish_reason: str | None, usage_: dict[str, Any],
-                 logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
-        return self._envelope(self.object, [self.choice(text, finish_reason, logprobs)], usage=usage_)
+    def for_choices(self, n: int) -> list["ResponseFormat"]:
+        """One format per choice of a request with n of them (each keeps its own stream's state)."""
+        formats = [copy.copy(self) for _ in range(n)]
+        for index, choice_format in enumerate(formats):
+            choice_format.index = index
+        return formats
+
+    def response(self, choices: list[dict[str, Any]], usage_: dict[str, Any]) -> dict[str, Any]:
+        """choices: each choice's choice()."""
+        return self._envelope(self.object, choices, usage=usage_)
 
     def chunk(self, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None = None) -> str:
         return sse(self._envelope(self.chunk_object, [self.chunk_choice(text, finish_reason, logprobs)]))
@@ -376,7 +381,7 @@ class CompletionFormat(ResponseFormat):
         self._text_offset = 0  # where the next token's text starts in the completion
 
     def choice(self, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
-        return {"index": 0, "text": text, "logprobs": None if logprobs is None else self._logprobs(logprobs),
+        return {"index": self.index, "text": text, "logprobs": None if logprobs is None else self._logprobs(logprobs),
                 "finish_reason": finish_reason}
 
     chunk_choice = choice
@@ -408,7 +413,8 @@ class ChatFormat(ResponseFormat):
             message = {"role": "assistant", "content": content or None,
                        "tool_calls": [call.as_openai() for call in calls]}
             finish_reason = _with_calls(finish_reason)
-        return {"index": 0, "message": message, "logprobs": _chat_logprobs(logprobs), "finish_reason": finish_reason}
+        return {"index": self.index, "message": message, "logprobs": _chat_logprobs(logprobs),
+                "finish_reason": finish_reason}
 
     def chunk(self, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None = None) -> str:
         """"" when everything new is held back."""
@@ -434,16 +440,17 @@ class ChatFormat(ResponseFormat):
         return "".join(events)
 
     def _delta(self, delta: dict[str, Any]) -> str:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+        choice = {"index": self.index, "delta": delta, "logprobs": None, "finish_reason": None}
         return sse(self._envelope(self.chunk_object, [choice]))
 
     def chunk_choice(self, text: str, finish_reason: str | None,
                      logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
         delta = {"content": text} if text else {}
-        return {"index": 0, "delta": delta, "logprobs": _chat_logprobs(logprobs), "finish_reason": finish_reason}
+        return {"index": self.index, "delta": delta, "logprobs": _chat_logprobs(logprobs),
+                "finish_reason": finish_reason}
 
     def opening_chunks(self) -> list[str]:
-        opening = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        opening = {"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                    "finish_reason": None}
         return [sse(self._envelope(self.chunk_object, [opening]))]
 

@@ -13,7 +13,7 @@ import math
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
 
 import pydantic
@@ -210,22 +210,33 @@ class OpenAIServing:
         return _Prepared(body, request, response_format)
 
     async def _generate(self, prepared: _Prepared, arrival_time: float) -> Response:
-        body, response_format = prepared.body, prepared.response_format
+        body = prepared.body
         await self._check_constraint(prepared.request.params)
-        outputs = self.engine.generate(prepared.request)
+        choices = await self._start_choices(prepared, arrival_time)
+        if body.stream:
+            return StreamingResponse(self._stream(choices, body.include_usage), media_type="text/event-stream",
+                                     headers={REPLICA_HEADER: _replicas(choice.first.replica_id for choice in choices)})
+        await self._collect(choices)
+        response = choices[0].format.response([choice.response_choice() for choice in choices], _usage(choices))
+        # the replicas that finished the choices, if they migrated
+        return JSONResponse(response, headers={REPLICA_HEADER: _replicas(choice.progress.tracker.replica_id
+                                                                         for choice in choices)})
+
+    async def _start_choices(self, prepared: _Prepared, arrival_time: float) -> list["_Choice"]:
+        """n > 1: one engine request a choice, each with its own seed; the router sends them where the first has
+        booked the prompt's blocks, so that they share its prefill through the prefix cache."""
+        requests = _choice_requests(prepared.request, prepared.body.n)
+        streams = [self.engine.generate(request) for request in requests]
         try:
-            first = await anext(outputs)
+            firsts = await _first_outputs(streams)
         except ENGINE_ERRORS as exc:
             raise engine_error(exc) from None
-        progress = _Progress(RequestTracker(self.metrics, first.replica_id, arrival_time), self._token_text,
-                             [] if prepared.request.params.logprobs else None)
-        if body.stream:
-            return StreamingResponse(self._stream(first, outputs, response_format, progress, body.include_usage),
-                                     media_type="text/event-stream", headers={REPLICA_HEADER: first.replica_id})
-        await self._collect(first, outputs, progress)
-        return JSONResponse(response_format.response("".join(progress.text), progress.finish_reason,
-                                                     progress.usage(), progress.logprobs),
-                            headers={REPLICA_HEADER: progress.tracker.replica_id})  # the last, if it migrated
+        logprobs = prepared.request.params.logprobs
+        return [_Choice(first, stream, choice_format,
+                        _Progress(RequestTracker(self.metrics, first.replica_id, arrival_time), self._token_text,
+                                  [] if logprobs else None))
+                for first, stream, choice_format in zip(firsts, streams,
+                                                        prepared.response_format.for_choices(len(requests)))]
 
     async def _check_constraint(self, params: SamplingParams) -> None:
         """A 400 naming the problem for a constraint that does not compile, before the request is routed."""
@@ -239,6 +250,8 @@ class OpenAIServing:
                            f"{CONSTRAINT_CHECK_TIMEOUT_S:g} s to compile") from None
         except GrammarError as exc:
             raise APIError(str(exc)) from None
+        except Exception as exc:  # never a 5xx for a constraint: the engines could not compile it either
+            raise APIError(f"the {params.structured_outputs.kind} constraint failed to compile: {exc!r}") from None
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -267,38 +280,37 @@ class OpenAIServing:
         except ValueError as exc:
             raise APIError(str(exc)) from None
 
-    async def _collect(self, first: EngineOutput, outputs: AsyncGenerator[EngineOutput, None],
-                       progress: _Progress) -> None:
-        """outputs: the rest of the stream whose first output was first."""
+    async def _collect(self, choices: list["_Choice"]) -> None:
         try:
-            async for output in _resumed(first, outputs):
-                progress.add(output)
+            if len(choices) == 1:
+                await choices[0].collect()
+            else:
+                await _collect_together(choices)
         except ENGINE_ERRORS as exc:
             raise engine_error(exc) from None
-        finally:
-            await outputs.aclose()
 
-    async def _stream(self, first: EngineOutput, outputs: AsyncGenerator[EngineOutput, None],
-                      response_format: ResponseFormat, progress: _Progress, include_usage: bool) -> AsyncIterator[str]:
+    async def _stream(self, choices: list["_Choice"], include_usage: bool) -> AsyncIterator[str]:
         """As _collect, as server-sent events."""
         try:
-            for chunk in response_format.opening_chunks():
-                yield chunk
-            async for output in _resumed(first, outputs):
-                logprobs = progress.add(output)
+            for choice in choices:
+                for chunk in choice.format.opening_chunks():
+                    yield chunk
+            async for choice, output in _outputs_in_turn(choices):
+                logprobs = choice.progress.add(output)
                 if (output.new_text or output.finished or logprobs) and \
-                        (chunk := response_format.chunk(output.new_text, output.finish_reason, logprobs)):
+                        (chunk := choice.format.chunk(output.new_text, output.finish_reason, logprobs)):
                     yield chunk
             if include_usage:
-                yield response_format.usage_chunk(progress.usage())
+                yield choices[0].format.usage_chunk(_usage(choices))
         except ENGINE_ERRORS as exc:
             yield sse(engine_error(exc).body())
         except Exception:
             # The status line is already sent: report the failure in the stream, as OpenAI does.
-            logger.exception("stream %s failed", response_format.response_id)
+            logger.exception("stream %s failed", choices[0].format.response_id)
             yield sse(internal_error().body())
         finally:
-            await outputs.aclose()
+            for choice in choices:
+                await choice.rest.aclose()
         yield SSE_DONE
 
     def _check_model(self, model: str) -> None:
@@ -311,6 +323,104 @@ class OpenAIServing:
         if not all(0 <= token_id < vocab_size for token_id in token_ids):
             raise APIError(f"prompt token ids must lie in [0, {vocab_size})", param="prompt")
         return token_ids
+
+
+@dataclass(slots=True)
+class _Choice:
+    """One choice of a response: its engine stream (whose first output was taken), its format and its progress."""
+    first: EngineOutput
+    rest: AsyncGenerator[EngineOutput, None]
+    format: ResponseFormat
+    progress: _Progress
+
+    def outputs(self) -> AsyncIterator[EngineOutput]:
+        return _resumed(self.first, self.rest)
+
+    async def collect(self) -> None:
+        try:
+            async for output in self.outputs():
+                self.progress.add(output)
+        finally:
+            await self.rest.aclose()
+
+    def response_choice(self) -> dict[str, Any]:
+        progress = self.progress
+        return self.format.choice("".join(progress.text), progress.finish_reason, progress.logprobs)
+
+
+def _choice_requests(request: EngineRequest, n: int) -> list[EngineRequest]:
+    if n == 1:
+        return [request]
+    seed = request.params.seed
+    return [replace(request, request_id=f"{request.request_id}-{index}", params=request.params.model_copy(
+        update={"seed": None if seed is None else seed + index})) for index in range(n)]
+
+
+async def _first_outputs(streams: list[AsyncGenerator[EngineOutput, None]]) -> list[EngineOutput]:
+    """Each stream's first output; if one fails, the others are closed and its error raised."""
+    if len(streams) == 1:
+        return [await anext(streams[0])]
+    firsts = await asyncio.gather(*map(anext, streams), return_exceptions=True)
+    if errors := [first for first in firsts if isinstance(first, BaseException)]:
+        for stream in streams:
+            await stream.aclose()
+        raise errors[0]
+    return firsts
+
+
+async def _collect_together(choices: list[_Choice]) -> None:
+    """Every choice's outputs; the first failure cancels the others (their streams abort) and is raised."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            for choice in choices:
+                group.create_task(choice.collect())
+    except* Exception as failures:
+        raise failures.exceptions[0] from None
+
+
+async def _outputs_in_turn(choices: list[_Choice]) -> AsyncIterator[tuple[_Choice, EngineOutput]]:
+    """Every choice's outputs as they come; the first failure ends it (and the other choices' streams)."""
+    if len(choices) == 1:
+        async for output in choices[0].outputs():
+            yield choices[0], output
+        return
+    arrived: asyncio.Queue = asyncio.Queue()
+
+    async def forward(choice: _Choice) -> None:
+        try:
+            async for output in choice.outputs():
+                arrived.put_nowait((choice, output))
+        except Exception as exc:
+            arrived.put_nowait((choice, exc))
+        finally:
+            arrived.put_nowait((choice, None))
+
+    tasks = [asyncio.create_task(forward(choice)) for choice in choices]
+    try:
+        num_open = len(choices)
+        while num_open:
+            choice, item = await arrived.get()
+            if isinstance(item, Exception):
+                raise item
+            if item is None:
+                num_open -= 1
+            else:
+                yield choice, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _usage(choices: list[_Choice]) -> dict[str, Any]:
+    """The prompt counted once, the choices' tokens together."""
+    first = choices[0].progress
+    return usage(first.num_prompt_tokens, sum(choice.progress.num_tokens for choice in choices),
+                 first.num_cached_tokens)
+
+
+def _replicas(replica_ids) -> str:
+    return ",".join(dict.fromkeys(replica_ids))
 
 
 async def _resumed(first: EngineOutput, rest: AsyncIterator[EngineOutput]) -> AsyncIterator[EngineOutput]:

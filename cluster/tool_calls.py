@@ -4,7 +4,7 @@ streamed text to hold back because it may begin a call.
 
 | format | families | a call as the model writes it |
 |---|---|---|
-| smollm2 | ChatML models under prefixserve's template (SmolLM2) | `<tool_call>[{"name": ..., "arguments": {...}}, ...]</tool_call>` |
+| smollm2 | ChatML under prefixserve's template (SmolLM2) | `<tool_call>[{"name": ..., "arguments": {...}}]</tool_call>` |
 | hermes | Qwen2.5, Qwen3 | `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, once per call |
 | llama3_json | Llama 3.1-3.3 | `{"name": ..., "parameters": {...}}` as the whole answer (`; ` between calls) |
 | mistral | Mistral | `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` |

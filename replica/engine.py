@@ -183,7 +183,8 @@ class EngineCore:
         if drafts:
             requests = self.scheduler.requests
             scheduler_output.grammar_bitmask = self.structured_outputs.fill_bitmask(
-                [(req_id, requests[req_id].structured_output.grammar, draft_ids) for req_id, draft_ids in drafts.items()])
+                [(req_id, requests[req_id].structured_output.grammar, draft_ids)
+                 for req_id, draft_ids in drafts.items()])
         elif not scheduler_output.total_num_scheduled_tokens and self.scheduler.waiting_for_grammar:
             wait([request.structured_output.future for request in self.scheduler.waiting_for_grammar],
                  timeout=_GRAMMAR_WAIT_S, return_when=FIRST_COMPLETED)

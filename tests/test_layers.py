@@ -10,10 +10,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ["kernels", "replica", "router", "cluster"]
 # Lowest first. A module may import from its own layer or a lower one; the longest prefix names its layer.
-LAYERS = ["kernels", "replica.structured_output", "replica.request", "replica.kv_cache", "replica.scheduler", "replica.config",
-          "replica.async_engine", "replica.executor", "replica.engine", "replica", "router.messages", "router.index",
-          "router.policy", "router.sessions", "router.core", "router.feed", "router", "router.actor", "router.follower",
-          "router.serve_router", "cluster"]
+LAYERS = ["kernels", "replica.structured_output", "replica.request", "replica.kv_cache", "replica.scheduler",
+          "replica.config", "replica.async_engine", "replica.executor", "replica.engine", "replica", "router.messages",
+          "router.index", "router.policy", "router.sessions", "router.core", "router.feed", "router", "router.actor",
+          "router.follower", "router.serve_router", "cluster"]
 
 
 def layer_of(module: str) -> int | None:

@@ -28,7 +28,8 @@ To call tools, answer in the following format and with no other text:
 {% for message in conversation %}
   {%- if message.role == 'assistant' and message.tool_calls -%}
 <|im_start|>assistant
-{{ message.content }}<tool_call>{{ message.tool_calls | map(attribute='function') | list | tojson }}</tool_call><|im_end|>
+{{ message.content }}<tool_call>\
+{{ message.tool_calls | map(attribute='function') | list | tojson }}</tool_call><|im_end|>
 {% elif message.role == 'tool' -%}
 <|im_start|>user
 <tool_response>

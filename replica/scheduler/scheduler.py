@@ -97,7 +97,7 @@ class Scheduler:
         else:
             self.waiting_for_grammar.append(request)  # schedule() queues it once compiled
 
-    def promote_compiled(self) -> None:
+    def _promote_compiled(self) -> None:
         """Queue the requests whose grammar has compiled; finish those whose grammar failed."""
         if not self.waiting_for_grammar:
             return
@@ -119,7 +119,7 @@ class Scheduler:
         plan = _StepPlan(self.config.max_num_batched_tokens)
         self.kv_cache_manager.new_step_starts()
         self.expire_pins()
-        self.promote_compiled()
+        self._promote_compiled()
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)

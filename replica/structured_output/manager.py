@@ -49,8 +49,9 @@ class StructuredOutputRequest:
             return True
         try:
             grammar = self._copy(self._compiled.result())
-        except GrammarError as exc:
-            self.error = str(exc)
+        except Exception as exc:  # a GrammarError names the problem; anything else must fail this request alone too
+            self.error = str(exc) if isinstance(exc, GrammarError) else \
+                f"the {self.params.kind} constraint failed to compile: {exc!r}"
             return True
         accepted = all(grammar.accept(token_id) for token_id in self._replay_token_ids)
         if accepted:
@@ -62,8 +63,8 @@ class StructuredOutputRequest:
 
 @dataclass
 class GrammarBitmask:
-    """One step's token bitmask: rows[req_id] is the first of a request's rows, one per logits row it samples
-    (its drafts', then its last token's). Pickling it (to tensor-parallel ranks) waits for the fill."""
+    """One step's token bitmask: rows[req_id] is the first of a request's rows, one per logits row it samples (its
+    next token's, then one after each of its drafts). Pickling it (to tensor-parallel ranks) waits for the fill."""
     rows: dict[str, int]
     bitmask: Future | np.ndarray
 

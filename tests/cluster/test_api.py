@@ -294,7 +294,8 @@ def test_a_finished_stream_is_not_abandoned():
     ('{"model": ', 400, "Invalid JSON: EOF while parsing a value at line 1 column 10", None),
     ({"model": "gpt-4", "prompt": "hi"}, 404, "The model `gpt-4` does not exist.", "model_not_found"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens must be at least 1, got 0", None),
-    ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n: only n=1 is supported", None),
+    ({"model": MODEL, "prompt": "hi", "n": 0}, 400, "n: Input should be greater than or equal to 1", None),
+    ({"model": MODEL, "prompt": "hi", "n": 129}, 400, "n: Input should be less than or equal to 128", None),
     ({"model": MODEL, "prompt": "hi", "logprobs": 6}, 400, "logprobs: Input should be less than or equal to 5", None),
     ({"model": MODEL, "prompt": "hi", "echo": True}, 400, "echo: not supported by this server", None),
     ({"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature must be non-negative, got -1.0", None),
@@ -335,7 +336,8 @@ def test_bad_completion_requests_get_openai_errors(body, status, message, code):
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"},
      "tool_choice other than none and auto needs tools"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [
-        {"type": "function", "function": {"name": "a"}}], "tool_choice": {"type": "function", "function": {"name": "b"}}},
+        {"type": "function", "function": {"name": "a"}}],
+      "tool_choice": {"type": "function", "function": {"name": "b"}}},
      "tool_choice names 'b', which is not among the tools"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "a"}]},
      "functions: not supported by this server"),
@@ -538,3 +540,47 @@ def test_an_engine_that_fails_a_constraint_gets_a_400():
                        json={"model": MODEL, "messages": HI, "response_format": {"type": "json_object"}})
     assert response.status_code == 400
     assert error_of(response)["message"] == "the constraint took too long to compile"
+
+
+def test_n_choices_are_one_engine_request_each_with_the_prompt_counted_once():
+    engine = FakeEngineClient("replica-a")
+    response = request(make_app(engine), "POST", "/v1/chat/completions",
+                       json={"model": MODEL, "messages": HI, "max_tokens": 3, "n": 3, "seed": 5})
+    assert response.status_code == 200
+    body = response.json()
+    assert [(choice["index"], choice["message"]["content"], choice["finish_reason"]) for choice in body["choices"]] \
+        == [(index, "t0 t1 t2 ", "length") for index in range(3)]
+    prompt_tokens = len(FakeTokenizer().apply_chat_template(HI))
+    assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 9, "total_tokens": prompt_tokens + 9,
+                             "prompt_tokens_details": {"cached_tokens": cached_tokens(0)}}
+    response_id = body["id"]
+    assert [(sent.request_id, sent.params.seed) for sent in engine.requests] == [
+        (f"{response_id}-{index}", 5 + index) for index in range(3)]
+    assert len({tuple(sent.block_hashes) for sent in engine.requests}) == 1
+    assert response.headers[REPLICA_HEADER] == "replica-a"
+
+
+def test_n_streamed_choices_interleave_by_index():
+    engine = FakeEngineClient("replica-a")
+    response = request(make_app(engine), "POST", "/v1/completions", json={
+        "model": MODEL, "prompt": "hi", "max_tokens": 2, "n": 2, "stream": True,
+        "stream_options": {"include_usage": True}})
+    events = [json.loads(line.removeprefix("data: ")) for line in response.text.split("\n\n")
+              if line and line != "data: [DONE]"]
+    texts = {0: "", 1: ""}
+    for event in events[:-1]:
+        (choice,) = event["choices"]
+        texts[choice["index"]] += choice["text"]
+    assert texts == {0: "t0 t1 ", 1: "t0 t1 "}
+    assert [event["choices"][0]["finish_reason"] for event in events[:-1]].count("length") == 2
+    assert events[-1]["usage"]["completion_tokens"] == 4 and events[-1]["usage"]["prompt_tokens"] == 2
+    assert [sent.params.seed for sent in engine.requests] == [None, None]
+
+
+def test_a_failing_choice_fails_the_request_and_stops_the_others():
+    engine = FakeEngineClient(error=ValueError("the constraint took too long to compile"), error_after=1)
+    response = request(make_app(engine), "POST", "/v1/chat/completions",
+                       json={"model": MODEL, "messages": HI, "max_tokens": 5, "n": 3})
+    assert response.status_code == 400
+    assert error_of(response)["message"] == "the constraint took too long to compile"
+    assert sorted(engine.abandoned) == sorted(sent.request_id for sent in engine.requests)

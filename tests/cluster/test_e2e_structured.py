@@ -176,3 +176,19 @@ def test_a_tool_loop_continues_from_the_cached_conversation(client):
     assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
     assert raw_again.headers[REPLICA_HEADER] == raw.headers[REPLICA_HEADER]  # routed to the cached conversation
     assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens // 16 * 16 - 16
+
+
+def test_n_choices_each_hold_their_own_grammar_on_one_replica(client):
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "Describe a person."}], n=3, temperature=1.0, seed=11,
+        max_tokens=64, logprobs=True, response_format={"type": "json_schema", "json_schema": {
+            "name": "person", "schema": Person.model_json_schema(), "strict": True}})
+    completion = raw.parse()
+    assert [choice.index for choice in completion.choices] == [0, 1, 2]
+    stopped = [choice for choice in completion.choices if choice.finish_reason == "stop"]
+    assert len(stopped) >= 2 and all(Person.model_validate_json(choice.message.content) for choice in stopped)
+    assert len({choice.message.content for choice in completion.choices}) > 1  # three sampling streams
+    assert completion.usage.completion_tokens == sum(len(choice.logprobs.content) for choice in completion.choices)
+    assert completion.usage.prompt_tokens == client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Describe a person."}], max_tokens=1).usage.prompt_tokens
+    assert "," not in raw.headers[REPLICA_HEADER]  # the router kept the choices where their prompt is

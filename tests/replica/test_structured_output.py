@@ -185,3 +185,12 @@ def test_a_token_the_grammar_rejects_fails_the_request(manager):
     assert (outputs[0].finish_reason, outputs[0].error.startswith(f"the constraint rejected token {tok('x')}")) == \
         ("error", True)
     assert scheduler.kv_cache_manager.usage == 0.0
+
+
+def test_an_unexpected_compile_failure_fails_only_its_request(backend):
+    broken = GatedFakeBackend(backend)
+    broken.compile = lambda params: {}["no such key"]
+    manager = StructuredOutputManager(broken)
+    request = settled(manager.request(DIGITS))
+    assert request.error == "the regex constraint failed to compile: KeyError('no such key')"
+    manager.shutdown()
