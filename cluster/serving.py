@@ -223,8 +223,8 @@ class OpenAIServing:
                                                                          for choice in choices)})
 
     async def _start_choices(self, prepared: _Prepared, arrival_time: float) -> list["_Choice"]:
-        """n > 1: one engine request a choice, each with its own seed; the router sends them where the first has
-        booked the prompt's blocks, so that they share its prefill through the prefix cache."""
+        """n > 1: one engine request a choice, each with its own seed, routed as a request of its own (the router
+        sees the prompt's blocks the first one booked)."""
         requests = _choice_requests(prepared.request, prepared.body.n)
         streams = [self.engine.generate(request) for request in requests]
         try:
@@ -282,12 +282,13 @@ class OpenAIServing:
 
     async def _collect(self, choices: list["_Choice"]) -> None:
         try:
-            if len(choices) == 1:
-                await choices[0].collect()
-            else:
-                await _collect_together(choices)
+            for choice in choices:
+                await choice.collect()
         except ENGINE_ERRORS as exc:
             raise engine_error(exc) from None
+        finally:
+            for choice in choices:
+                await choice.rest.aclose()
 
     async def _stream(self, choices: list["_Choice"], include_usage: bool) -> AsyncIterator[str]:
         """As _collect, as server-sent events."""
@@ -337,11 +338,8 @@ class _Choice:
         return _resumed(self.first, self.rest)
 
     async def collect(self) -> None:
-        try:
-            async for output in self.outputs():
-                self.progress.add(output)
-        finally:
-            await self.rest.aclose()
+        async for output in self.outputs():
+            self.progress.add(output)
 
     def response_choice(self) -> dict[str, Any]:
         progress = self.progress
@@ -357,59 +355,25 @@ def _choice_requests(request: EngineRequest, n: int) -> list[EngineRequest]:
 
 
 async def _first_outputs(streams: list[AsyncGenerator[EngineOutput, None]]) -> list[EngineOutput]:
-    """Each stream's first output; if one fails, the others are closed and its error raised."""
-    if len(streams) == 1:
-        return [await anext(streams[0])]
-    firsts = await asyncio.gather(*map(anext, streams), return_exceptions=True)
-    if errors := [first for first in firsts if isinstance(first, BaseException)]:
+    """Each stream's first output; if one fails, the others are closed and its error raised. Each stream is
+    driven by this task alone, from its first output to its last (Serve's streams stay with the task that
+    started them)."""
+    firsts = []
+    try:
+        for stream in streams:
+            firsts.append(await anext(stream))
+    except BaseException:
         for stream in streams:
             await stream.aclose()
-        raise errors[0]
+        raise
     return firsts
 
 
-async def _collect_together(choices: list[_Choice]) -> None:
-    """Every choice's outputs; the first failure cancels the others (their streams abort) and is raised."""
-    try:
-        async with asyncio.TaskGroup() as group:
-            for choice in choices:
-                group.create_task(choice.collect())
-    except* Exception as failures:
-        raise failures.exceptions[0] from None
-
-
 async def _outputs_in_turn(choices: list[_Choice]) -> AsyncIterator[tuple[_Choice, EngineOutput]]:
-    """Every choice's outputs as they come; the first failure ends it (and the other choices' streams)."""
-    if len(choices) == 1:
-        async for output in choices[0].outputs():
-            yield choices[0], output
-        return
-    arrived: asyncio.Queue = asyncio.Queue()
-
-    async def forward(choice: _Choice) -> None:
-        try:
-            async for output in choice.outputs():
-                arrived.put_nowait((choice, output))
-        except Exception as exc:
-            arrived.put_nowait((choice, exc))
-        finally:
-            arrived.put_nowait((choice, None))
-
-    tasks = [asyncio.create_task(forward(choice)) for choice in choices]
-    try:
-        num_open = len(choices)
-        while num_open:
-            choice, item = await arrived.get()
-            if isinstance(item, Exception):
-                raise item
-            if item is None:
-                num_open -= 1
-            else:
-                yield choice, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    """Every choice's outputs, one choice after the other (the engines compute them together all the same)."""
+    for choice in choices:
+        async for output in choice.outputs():
+            yield choice, output
 
 
 def _usage(choices: list[_Choice]) -> dict[str, Any]:

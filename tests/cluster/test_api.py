@@ -560,7 +560,7 @@ def test_n_choices_are_one_engine_request_each_with_the_prompt_counted_once():
     assert response.headers[REPLICA_HEADER] == "replica-a"
 
 
-def test_n_streamed_choices_interleave_by_index():
+def test_n_streamed_choices_come_by_index():
     engine = FakeEngineClient("replica-a")
     response = request(make_app(engine), "POST", "/v1/completions", json={
         "model": MODEL, "prompt": "hi", "max_tokens": 2, "n": 2, "stream": True,

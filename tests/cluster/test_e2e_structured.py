@@ -178,17 +178,22 @@ def test_a_tool_loop_continues_from_the_cached_conversation(client):
     assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens // 16 * 16 - 16
 
 
-def test_n_choices_each_hold_their_own_grammar_on_one_replica(client):
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_n_choices_each_hold_their_own_grammar(client):
     raw = client.chat.completions.with_raw_response.create(
         model=MODEL, messages=[{"role": "user", "content": "Describe a person."}], n=3, temperature=1.0, seed=11,
         max_tokens=64, logprobs=True, response_format={"type": "json_schema", "json_schema": {
-            "name": "person", "schema": Person.model_json_schema(), "strict": True}})
+            "name": "person", "schema": PERSON, "strict": True}})
     completion = raw.parse()
     assert [choice.index for choice in completion.choices] == [0, 1, 2]
     stopped = [choice for choice in completion.choices if choice.finish_reason == "stop"]
-    assert len(stopped) >= 2 and all(Person.model_validate_json(choice.message.content) for choice in stopped)
+    assert len(stopped) >= 2 and all(jsonschema.validate(json.loads(choice.message.content), PERSON) is None
+                                     for choice in stopped)
     assert len({choice.message.content for choice in completion.choices}) > 1  # three sampling streams
     assert completion.usage.completion_tokens == sum(len(choice.logprobs.content) for choice in completion.choices)
     assert completion.usage.prompt_tokens == client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Describe a person."}], max_tokens=1).usage.prompt_tokens
-    assert "," not in raw.headers[REPLICA_HEADER]  # the router kept the choices where their prompt is
+    assert 1 <= len(raw.headers[REPLICA_HEADER].split(",")) <= 2  # each choice routed as a request of its own
