@@ -6,6 +6,8 @@ request advances a copy. A compile that fails, or is not done within the time li
 only. The bitmask of a step is filled on a thread of its own while the model computes the step's forward
 pass: llguidance computes masks without the GIL.
 """
+import os
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -82,7 +84,8 @@ class StructuredOutputManager:
         self.compile_timeout_s = compile_timeout_s
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._cache_size = cache_size
-        self._compile_pool = ThreadPoolExecutor(num_compile_threads, thread_name_prefix="grammar-compile")
+        self._compile_pool = ThreadPoolExecutor(num_compile_threads, thread_name_prefix="grammar-compile",
+                                                initializer=_lowest_priority)
         self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
         self._clock = clock
         self.num_words = -(-backend.vocab_size // 32)
@@ -135,6 +138,12 @@ class StructuredOutputManager:
     def shutdown(self) -> None:
         self._compile_pool.shutdown(wait=False, cancel_futures=True)
         self._fill_thread.shutdown(wait=False)
+
+
+def _lowest_priority() -> None:
+    """A compile thread yields its core to the forward pass: on a CPU host a compile of seconds at normal priority
+    tripled the steps of the streams running beside it (benchmarks/bench_structured.py --slow-compile)."""
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 def _fill(bitmask: np.ndarray, rows: list[tuple[str, Grammar, list[int]]], first_rows: dict[str, int]) -> np.ndarray:
