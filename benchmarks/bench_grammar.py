@@ -72,8 +72,11 @@ def trained_tokenizer(vocab_size: int) -> Tokenizer:
     for source in sorted(Path(sys.prefix, "lib").rglob("*.py")):
         if num_bytes > TRAINING_BYTES:
             break
+        try:
+            num_bytes += len(source.read_bytes().decode())
+        except (UnicodeDecodeError, OSError):  # the trainer reads UTF-8 only
+            continue
         sources.append(str(source))
-        num_bytes += source.stat().st_size
     tokenizer.train(sources, trainer)
     path.parent.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(path))
