@@ -342,7 +342,9 @@ class ResponseFormat(abc.ABC):
         self.index = 0  # the choice's
 
     def for_choices(self, n: int) -> list["ResponseFormat"]:
-        """One format per choice of a request with n of them (each keeps its own stream's state)."""
+        """One format per choice of a request with n of them (each keeps its own stream's state); itself for one."""
+        if n == 1:
+            return [self]
         formats = [copy.copy(self) for _ in range(n)]
         for index, choice_format in enumerate(formats):
             choice_format.index = index
