@@ -36,6 +36,8 @@ class SchemaResult:
 
 def load_schemas(categories: tuple[str, ...] = CATEGORIES, data_dir: Path = DATA_DIR) -> Iterator[Schema]:
     for category in categories:
+        if not (data_dir / category).is_dir():
+            raise FileNotFoundError(f"no MaskBench category {category!r} in {data_dir} (../shared beside the repo)")
         for path in sorted((data_dir / category).glob("*.json")):
             data = json.loads(path.read_text())
             yield Schema(category, path.stem, data["schema"], data.get("tests", []))
