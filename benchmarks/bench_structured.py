@@ -4,6 +4,10 @@ schema, against 0% in the same run.
     python benchmarks/bench_structured.py                # SmolLM2-135M-Instruct, 64 requests x 64 tokens, 3 rounds
     python benchmarks/bench_structured.py --requests 32 --max-tokens 128 --rounds 5
     python benchmarks/bench_structured.py --slow-compile  # streams' inter-token latency while a constraint compiles
+    python benchmarks/bench_structured.py --random-model qwen3-0.6b --vocab-size 152064 --requests 256  # a GPU
+
+--random-model: random weights of a real model's shapes (no hub on a GPU machine) with bench_grammar's byte-level
+BPE of --vocab-size tokens; the prompt is the question's text, as there is no chat template.
 
 The schema asks for an object with a list of at least 60 strings, so that no constrained request ends before
 max_tokens and every variant runs the same batch shape (the unconstrained requests ignore EOS). Each variant adds
@@ -18,11 +22,14 @@ after it compiles. The compile runs on its own thread: the engine loop keeps ste
 import argparse
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
+from benchmarks.bench_grammar import EOS, trained_tokenizer  # noqa: E402
+from benchmarks.random_model import SHAPES, write_random_model  # noqa: E402
 from benchmarks.timing import percentile  # noqa: E402
 from replica.engine import LLM  # noqa: E402
 from replica.request import SamplingParams  # noqa: E402
@@ -43,8 +50,8 @@ def run(llm: LLM, num_requests: int, num_constrained: int, max_tokens: int) -> t
     token_times: dict[str, list[float]] = {}
     started = time.perf_counter()
     for index in range(num_requests):
-        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": QUESTION.format(index)}])
-        engine.add_request(f"{time.monotonic_ns()}-{index}", prompt, constrained if index < num_constrained else plain)
+        engine.add_request(f"{time.monotonic_ns()}-{index}", question(llm, index),
+                           constrained if index < num_constrained else plain)
     while engine.has_unfinished():
         for output in engine.step():
             token_times.setdefault(output.request_id, []).extend([time.perf_counter()] * len(output.new_token_ids))
@@ -54,12 +61,19 @@ def run(llm: LLM, num_requests: int, num_constrained: int, max_tokens: int) -> t
     return num_tokens / wall, [(times[-1] - times[0]) / (len(times) - 1) for times in token_times.values()]
 
 
+def question(llm: LLM, index: int) -> list[int]:
+    text = QUESTION.format(index)
+    if llm.tokenizer.chat_template is None:
+        return llm.tokenizer.encode(text)
+    return llm.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+
+
 def slow_compile(llm: LLM, num_streams: int = 16, max_tokens: int = 160) -> None:
     engine = llm.engine
     plain = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     slow = SamplingParams(max_tokens=4, temperature=0, structured_outputs=StructuredOutputsParams(
         choice=[f"option number {index}" for index in range(50_000)]))
-    prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": QUESTION.format(0)}])
+    prompt = question(llm, 0)
     for index in range(num_streams):
         engine.add_request(f"stream-{index}", prompt, plain)
     windows: dict[str, list[float]] = {"before": [], "while compiling": [], "after": []}
@@ -90,8 +104,23 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dtype", default=None, help="default: the engine's (bf16 where the CPU has it, else fp32)")
     parser.add_argument("--slow-compile", action="store_true")
+    parser.add_argument("--random-model", choices=sorted(SHAPES), help="default: SmolLM2-135M-Instruct")
+    parser.add_argument("--vocab-size", type=int, default=152064, help="the random model's BPE vocabulary")
+    parser.add_argument("--async-scheduling", choices=["on", "off"], help="default: the engine's")
+    parser.add_argument("--kv-cache-gib", type=float, default=1.0)
     args = parser.parse_args()
-    llm = LLM(dtype=args.dtype, max_num_seqs=args.requests)
+    with tempfile.TemporaryDirectory() as scratch:
+        model = None
+        if args.random_model:
+            model = str(write_random_model(Path(scratch, args.random_model), args.random_model,
+                                           tokenizer=trained_tokenizer(args.vocab_size), bos_token=EOS, eos_token=EOS))
+        async_scheduling = None if args.async_scheduling is None else args.async_scheduling == "on"
+        llm = LLM(model, dtype=args.dtype, max_num_seqs=args.requests, async_scheduling=async_scheduling,
+                  kv_cache_memory_gib=args.kv_cache_gib)
+        measure(llm, args)
+
+
+def measure(llm: LLM, args: argparse.Namespace) -> None:
     if args.slow_compile:
         return slow_compile(llm)
     fractions = (0.0, 0.5, 1.0)
@@ -100,8 +129,10 @@ def main() -> None:
     for _ in range(args.rounds):
         for fraction in fractions:
             results[fraction].append(run(llm, args.requests, round(fraction * args.requests), args.max_tokens))
-    print(f"{args.requests} requests x {args.max_tokens} tokens, {args.rounds} rounds, "
-          f"{str(llm.engine.runner.model.model.embed_tokens.weight.dtype).removeprefix('torch.')}")
+    weight = llm.engine.runner.model.model.embed_tokens.weight
+    print(f"{args.requests} requests x {args.max_tokens} tokens, {args.rounds} rounds, {llm.engine.model_name}, "
+          f"{str(weight.dtype).removeprefix('torch.')} on {weight.device}, "
+          f"{'async' if llm.engine.scheduler.config.async_scheduling else 'sync'} scheduling")
     print("| under a schema | output tok/s | x 0% | TPOT p50 (ms) | TPOT p99 (ms) | TPOT p50 x 0% |")
     print("|---|---|---|---|---|---|")
     for fraction in fractions:

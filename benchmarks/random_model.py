@@ -25,15 +25,21 @@ SHAPES = {
 }
 
 
-def write_random_model(directory: Path, shape: str, *, seed: int = 0) -> Path:
+def write_random_model(directory: Path, shape: str, *, seed: int = 0, tokenizer: Tokenizer | None = None,
+                       bos_token: str = "<0>", eos_token: str = "<1>") -> Path:
+    """tokenizer (holding bos_token and eos_token) replaces the word-level one; the vocabulary takes its size."""
+    vocab_size = tokenizer.get_vocab_size() if tokenizer else SHAPES[shape]["vocab_size"]
+    if tokenizer is None:
+        tokenizer = Tokenizer(models.WordLevel({f"<{token_id}>": token_id for token_id in range(vocab_size)},
+                                               unk_token="<0>"))
     config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "torch_dtype": "bfloat16",
-              "bos_token_id": 0, "eos_token_id": 1, **SHAPES[shape]}
+              **SHAPES[shape], "vocab_size": vocab_size, "bos_token_id": tokenizer.token_to_id(bos_token),
+              "eos_token_id": tokenizer.token_to_id(eos_token)}
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     save_file(_random_weights(config, torch.Generator().manual_seed(seed)), str(directory / "model.safetensors"))
-    vocab = {f"<{token_id}>": token_id for token_id in range(config["vocab_size"])}
-    Tokenizer(models.WordLevel(vocab, unk_token="<0>")).save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<0>", "eos_token": "<1>"}))
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"bos_token": bos_token, "eos_token": eos_token}))
     return directory
 
 
