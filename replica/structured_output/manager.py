@@ -131,7 +131,10 @@ class StructuredOutputManager:
     def _timed_fill(self, bitmask: np.ndarray, rows: list[tuple[str, Grammar, list[int]]],
                     first_rows: dict[str, int]) -> np.ndarray:
         started = time.perf_counter()
-        _fill(bitmask, rows, first_rows)
+        self.backend.fill_bitmasks(bitmask, [(grammar, first_rows[req_id]) for req_id, grammar, _ in rows])
+        for req_id, grammar, drafts in rows:
+            if drafts:
+                _fill_draft_rows(bitmask, first_rows[req_id], grammar, drafts)
         self.stats.mask_filled(time.perf_counter() - started)
         return bitmask
 
@@ -146,16 +149,12 @@ def _lowest_priority() -> None:
     os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
-def _fill(bitmask: np.ndarray, rows: list[tuple[str, Grammar, list[int]]], first_rows: dict[str, int]) -> np.ndarray:
-    """Each request's row for its next token, and under speculative decoding one row per draft position: the
+def _fill_draft_rows(bitmask: np.ndarray, row: int, grammar: Grammar, drafts: list[int]) -> None:
+    """Under speculative decoding, the rows after a request's first (filled already): one per draft position. The
     grammar takes the drafts in turn and gives them back at the end. Rows after a draft it would reject stay
     all-allowed: the rejection sampler stops at that draft, which the mask before it rules out."""
-    for req_id, grammar, drafts in rows:
-        row = first_rows[req_id]
-        grammar.fill_bitmask(bitmask, row)
-        valid = drafts[:grammar.validate(drafts)]
-        for position, token_id in enumerate(valid, 1):
-            grammar.accept(token_id)
-            grammar.fill_bitmask(bitmask, row + position)
-        grammar.rollback(len(valid))
-    return bitmask
+    valid = drafts[:grammar.validate(drafts)]
+    for position, token_id in enumerate(valid, 1):
+        grammar.accept(token_id)
+        grammar.fill_bitmask(bitmask, row + position)
+    grammar.rollback(len(valid))

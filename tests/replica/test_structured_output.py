@@ -124,6 +124,24 @@ def test_a_rejected_draft_leaves_the_rows_after_it_open(manager):
     assert len(allowed(mask, 1)) == len(allowed(mask, 2)) == mask.shape[1] * 32
 
 
+def test_rows_filled_in_parallel_equal_rows_filled_one_at_a_time():
+    backend = GuidanceBackend(TOKENIZER, 260, EOS, num_fill_threads=3)
+    grammars = [backend.compile(params) for params in
+                (DIGITS, DIGITS, DIGITS, DIGITS, StructuredOutputsParams(choice=["ok", "no"]))]
+    grammars[1].accept(tok("1"))
+    assert not grammars[2].accept(tok("x"))  # in error: nothing but the end is allowed
+    for token in (tok("1"), tok("2"), EOS):
+        grammars[3].accept(token)
+    parallel = np.zeros((8, 9), dtype=np.int32)
+    backend.fill_bitmasks(parallel, [(grammar, 7 - index) for index, grammar in enumerate(grammars)])
+    digits = {tok(str(digit)) for digit in range(10)}
+    assert [allowed(parallel, 7 - index) for index in range(5)] == [digits, digits, {EOS}, {EOS}, {tok("o"), tok("n")}]
+    one_at_a_time = np.zeros_like(parallel)
+    for index, grammar in enumerate(grammars):
+        grammar.fill_bitmask(one_at_a_time, 7 - index)
+    assert (parallel == one_at_a_time).all() and not parallel[:3].any()
+
+
 def constrained_request(manager, request_id: str, params: StructuredOutputsParams, compiled: bool = True) -> Request:
     structured = manager.request(params)
     if compiled:
