@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--engine-transport", choices=["grpc", "ray"], default="grpc",
                          help="how an ingress replica calls the engine replicas: Ray Serve's gRPC straight to the "
                               "replica, or Ray actor tasks and object refs (default: %(default)s)")
+    cluster.add_argument("--engine-core", choices=["process", "thread"], default="thread",
+                         help="where an engine replica steps its engine: a process of its own, one message per "
+                              "step, or a thread of the replica's process (default: %(default)s)")
     cluster.add_argument("--router-choice-temperature-tokens", type=float,
                          help="how far each router strays from the cheapest replica, in tokens of cost (0: never; "
                               "default: 0 with one ingress replica, 16 with more or with --ingress-autoscale to more)")
@@ -151,6 +154,7 @@ def config_from_args(args: argparse.Namespace):
                          ingress_autoscaling=ingress_autoscaling, autoscaling=autoscaling, routing=args.routing_policy,
                          router_sync_interval_s=args.router_sync_interval_s, publish_interval_s=args.publish_interval_s,
                          stream_interval_s=args.stream_interval_s, engine_transport=args.engine_transport,
+                         engine_core=args.engine_core,
                          router_choice_temperature_tokens=args.router_choice_temperature_tokens,
                          api_key=args.api_key or os.environ.get(API_KEY_ENV),
                          replica_num_cpus=args.replica_cpus, replica_num_gpus=args.replica_gpus,

@@ -62,6 +62,10 @@ class ClusterConfig(pydantic.BaseModel):
     # (any free port of their node) cannot be reached from the other nodes, or for prompts over about 790k tokens
     # (gRPC takes messages of up to 4 MiB, Serve's RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH).
     engine_transport: Literal["grpc", "ray"] = "grpc"
+    # Where an engine replica steps its engine core: "process", a process of its own that sends one message per
+    # step (its interpreter free of the replica's Ray and Serve machinery), or "thread", a thread of the replica's
+    # process. A tensor-parallel replica steps in a thread: its ranks are Ray actors that the replica creates.
+    engine_core: Literal["process", "thread"] = "thread"
     # PolicyConfig.choice_temperature_tokens of every ingress replica's router; None: 0 with one ingress replica,
     # SEVERAL_ROUTERS_CHOICE_TEMPERATURE_TOKENS with more (at most: max_ingress_replicas).
     router_choice_temperature_tokens: float | None = pydantic.Field(None, ge=0)

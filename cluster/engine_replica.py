@@ -11,28 +11,30 @@ from cluster.publisher import RouterPublisher
 from cluster.tp_workers import RayExecutor
 from replica.async_engine import AsyncEngine, EngineOutput, EngineRequest, ModelInfo, ReplicaStats
 from replica.config import EngineConfig
+from replica.core_process import ProcessEngine, core_of
 from replica.engine import EngineCore
 from router.actor import RouterClient
 
 
 class EngineReplica:
     async def __init__(self, config: ClusterConfig):
-        self._engine: AsyncEngine | None = None  # Serve may stop a replica while its model still loads
+        self._engine: AsyncEngine | ProcessEngine | None = None  # Serve may stop a replica while its model loads
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
-        core = await asyncio.to_thread(EngineCore, replica_engine_config(config), make_executor=RayExecutor)  # seconds
+        engine_config = replica_engine_config(config)
         self._publisher = RouterPublisher(
             self.replica_id,
-            RouterClient(context.app_name, config.routing_config, core.config.cache.block_size, create=False),
+            RouterClient(context.app_name, config.routing_config, engine_config.cache.block_size, create=False),
             send_interval_s=config.publish_interval_s)
-        self._engine = AsyncEngine(core, after_step=functools.partial(self._publisher.record, core))
+        if config.engine_core == "process" and engine_config.tensor_parallel_size == 1:
+            self._engine = await ProcessEngine.start(core_of(engine_config), after_step=self._publisher.record)
+        else:
+            core = await asyncio.to_thread(EngineCore, engine_config, make_executor=RayExecutor)  # seconds
+            self._engine = AsyncEngine(core, after_step=functools.partial(self._publisher.record, core))
         self._stream_interval_s = config.stream_interval_s
 
     def model_info(self) -> ModelInfo:
-        core = self._engine.core
-        return ModelInfo(name=core.model_name, max_model_len=core.max_model_len,
-                         vocab_size=core.model_config.vocab_size, block_size=core.config.cache.block_size,
-                         hash_seed=core.config.cache.hash_seed)
+        return self._engine.model_info()
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         """The request's outputs, the first naming this replica; a caller going away aborts it."""
@@ -55,12 +57,11 @@ class EngineReplica:
     async def check_health(self) -> None:
         if self._engine.error is not None:
             raise RuntimeError(f"the engine loop stopped: {self._engine.error!r}")
-        await asyncio.to_thread(self._engine.core.check_health)
+        await self._engine.check_health()
 
     async def __del__(self) -> None:
         if self._engine is not None:
             await self._engine.shutdown()
-            await asyncio.to_thread(self._engine.core.shutdown)
             await self._publisher.close()
 
 

@@ -21,6 +21,7 @@ from router.actor import RouterClient
 from router.messages import FinishedRequest
 
 if TYPE_CHECKING:
+    from replica.core_process import CoreView
     from replica.engine import EngineCore
     from router.wire import FeedConnection
 
@@ -50,8 +51,9 @@ class RouterPublisher:
         """A request ended here (finished or aborted; num_cached_tokens None if it never got scheduled)."""
         self._finished.append(FinishedRequest(request_id, num_cached_tokens))
 
-    def record(self, core: "EngineCore") -> None:
-        """Call between two engine steps: takes the step's events and the core's stats for the sender."""
+    def record(self, core: "EngineCore | CoreView") -> None:
+        """Call between two engine steps: takes the step's events and the core's stats for the sender (from the
+        core, or from its view when it steps in a process of its own)."""
         events = core.take_kv_events()
         if self._resync_wanted:
             self._resync_wanted = False

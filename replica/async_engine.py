@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from replica.kv_cache import BlockHash
+from replica.kv_cache import BlockHash, KVEvent
 from replica.request import SamplingParams
 from replica.scheduler import Scheduler, SchedulerStats
 
@@ -75,7 +75,7 @@ class EngineOutput:
 
 
 class Core(Protocol):
-    """What AsyncEngine and ReplicaStats use of an engine core (replica.engine.EngineCore)."""
+    """What AsyncEngine, ProcessEngine and ReplicaStats use of an engine core (replica.engine.EngineCore)."""
     scheduler: Scheduler
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -90,6 +90,14 @@ class Core(Protocol):
     def expire_pins(self) -> None: ...
 
     def stats(self) -> SchedulerStats: ...
+
+    def take_kv_events(self) -> list[KVEvent]: ...
+
+    def model_info(self) -> ModelInfo: ...
+
+    def check_health(self) -> None: ...
+
+    def shutdown(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -112,27 +120,17 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped (a step failed, or shutdown): no request can be served any more."""
 
 
-class AsyncEngine:
-    def __init__(self, core: Core, *, after_step: Callable[[], None] | None = None,
-                 idle_interval_s: float = 1.0):
-        """after_step runs on the event loop after every step, and every idle_interval_s when idle (and when
-        the loop wakes for anything but a request); the next step waits for it, so it hands anything slow
-        (publishing) to a task of its own."""
-        self.core = core
-        self._after_step = after_step
-        self._idle_interval_s = idle_interval_s
+class EngineFrontend:
+    """Streams each request's outputs to its caller, on an event loop, from an engine core driven elsewhere: a
+    subclass hands requests and aborts to its core (_submit, _cancel) and its outputs to _dispatch."""
+
+    def __init__(self) -> None:
         self._streams: dict[str, asyncio.Queue] = {}
-        self._to_add: deque[tuple[EngineRequest, asyncio.Queue]] = deque()
-        self._to_abort: list[str] = []
-        self._calls: list[tuple[Callable[[Core], Any], asyncio.Future]] = []
-        self._wakeup = asyncio.Event()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         self._error: BaseException | None = None
-        self._task = asyncio.get_running_loop().create_task(self._run())
 
     @property
     def error(self) -> BaseException | None:
-        """Why the loop stopped; None while it runs."""
+        """Why the engine stopped; None while it runs."""
         return self._error
 
     async def generate(self, request: EngineRequest, stream_interval_s: float = 0.0) -> AsyncIterator[EngineOutput]:
@@ -141,8 +139,7 @@ class AsyncEngine:
         the first and the finished one are never held back."""
         self._check_alive()
         queue: asyncio.Queue = asyncio.Queue()
-        self._to_add.append((request, queue))
-        self._wakeup.set()
+        self._submit(request, queue)
         loop = asyncio.get_running_loop()
         finished, yielded_at, error = False, -math.inf, None
         try:
@@ -160,8 +157,52 @@ class AsyncEngine:
                     raise error
         finally:
             if not finished:
-                self._to_abort.append(request.request_id)
-                self._wakeup.set()
+                self._cancel(request.request_id)
+
+    def _submit(self, request: EngineRequest, queue: asyncio.Queue) -> None:
+        raise NotImplementedError
+
+    def _cancel(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    def _dispatch(self, outputs: list[EngineOutput]) -> None:
+        for output in outputs:
+            queue = self._streams.get(output.request_id)
+            if queue is None:
+                continue  # aborted while the step ran
+            queue.put_nowait(output if output.error is None else ValueError(output.error))
+            if output.finished:
+                del self._streams[output.request_id]
+
+    def _fail_all(self, exc: BaseException) -> None:
+        self._error = exc
+        for queue in self._streams.values():
+            queue.put_nowait(exc)
+        self._streams.clear()
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError(f"the engine loop stopped: {self._error!r}")
+
+
+class AsyncEngine(EngineFrontend):
+    """The core in this process: step() runs in a worker thread."""
+
+    def __init__(self, core: Core, *, after_step: Callable[[], None] | None = None,
+                 idle_interval_s: float = 1.0):
+        """after_step runs on the event loop after every step, and every idle_interval_s when idle (and when
+        the loop wakes for anything but a request); the next step waits for it, so it hands anything slow
+        (publishing) to a task of its own."""
+        super().__init__()
+        self.core = core
+        self._after_step = after_step
+        self._idle_interval_s = idle_interval_s
+        self._to_add: deque[tuple[EngineRequest, asyncio.Queue]] = deque()
+        self._to_abort: list[str] = []
+        self._calls: list[tuple[Callable[[Core], Any], asyncio.Future]] = []
+        self._wakeup = asyncio.Event()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+        self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def call(self, fn: Callable[[Core], Any]) -> Any:
         """fn(core), run on the loop between two steps."""
@@ -171,10 +212,26 @@ class AsyncEngine:
         self._wakeup.set()
         return await future
 
+    def model_info(self) -> ModelInfo:
+        return self.core.model_info()
+
+    async def check_health(self) -> None:
+        await asyncio.to_thread(self.core.check_health)
+
     async def shutdown(self) -> None:
+        """Stops the loop, then the core (its tensor-parallel ranks, if any)."""
         self._task.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
         self._executor.shutdown(wait=True)
+        await asyncio.to_thread(self.core.shutdown)
+
+    def _submit(self, request: EngineRequest, queue: asyncio.Queue) -> None:
+        self._to_add.append((request, queue))
+        self._wakeup.set()
+
+    def _cancel(self, request_id: str) -> None:
+        self._to_abort.append(request_id)
+        self._wakeup.set()
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -189,19 +246,13 @@ class AsyncEngine:
                     if self._to_add:
                         continue  # a step follows at once, and the hook after it reports both
                 if self._after_step is not None:
-                    self._run_after_step()
+                    run_hook(self._after_step)
         except asyncio.CancelledError:
             self._fail_all(EngineDeadError("the engine is shutting down"))
             raise
         except Exception as exc:
             logger.exception("engine loop failed")
             self._fail_all(exc)
-
-    def _run_after_step(self) -> None:
-        try:
-            self._after_step()
-        except Exception:  # publishing is best effort; it must never stop the engine
-            logger.exception("after_step hook failed")
 
     def _apply_pending(self) -> None:
         # Additions first: a caller may have gone away before its request was even added.
@@ -219,23 +270,11 @@ class AsyncEngine:
 
     def _add(self, request: EngineRequest, queue: asyncio.Queue) -> None:
         try:
-            self.core.add_request(request.request_id, request.prompt_token_ids, request.params,
-                                  priority=request.priority, cache_salt=request.cache_salt,
-                                  session_id=request.session_id, last_turn=request.last_turn,
-                                  block_hashes=request.block_hashes, output_token_ids=request.output_token_ids)
+            add_request(self.core, request)
         except ValueError as exc:
             queue.put_nowait(exc)
             return
         self._streams[request.request_id] = queue
-
-    def _dispatch(self, outputs: list[EngineOutput]) -> None:
-        for output in outputs:
-            queue = self._streams.get(output.request_id)
-            if queue is None:
-                continue  # aborted while the step ran
-            queue.put_nowait(output if output.error is None else ValueError(output.error))
-            if output.finished:
-                del self._streams[output.request_id]
 
     async def _wait_for_work(self) -> None:
         with contextlib.suppress(TimeoutError):
@@ -244,20 +283,27 @@ class AsyncEngine:
         self._wakeup.clear()
 
     def _fail_all(self, exc: BaseException) -> None:
-        self._error = exc
-        for queue in self._streams.values():
-            queue.put_nowait(exc)
+        super()._fail_all(exc)
         for _, queue in self._to_add:
             queue.put_nowait(exc)
         for _, future in self._calls:
             future.set_exception(exc)
-        self._streams.clear()
         self._to_add.clear()
         self._calls.clear()
 
-    def _check_alive(self) -> None:
-        if self._error is not None:
-            raise EngineDeadError(f"the engine loop stopped: {self._error!r}")
+
+def add_request(core: Core, request: EngineRequest) -> None:
+    """request into core; ValueError (nothing added) on bad input."""
+    core.add_request(request.request_id, request.prompt_token_ids, request.params, priority=request.priority,
+                     cache_salt=request.cache_salt, session_id=request.session_id, last_turn=request.last_turn,
+                     block_hashes=request.block_hashes, output_token_ids=request.output_token_ids)
+
+
+def run_hook(hook: Callable[[], None]) -> None:
+    try:
+        hook()
+    except Exception:  # publishing is best effort; it must never stop the engine
+        logger.exception("after_step hook failed")
 
 
 async def _merge_until(queue: asyncio.Queue, output: EngineOutput,

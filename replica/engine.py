@@ -19,7 +19,7 @@ from replica.executor.ngram_proposer import NgramProposer
 from replica.executor.paged_cache import block_bytes, num_blocks_for_budget
 from replica.executor.parallel import check_divisible
 from replica.executor.worker import Executor, RunnerSpec, build_runner
-from replica.async_engine import EngineOutput
+from replica.async_engine import EngineOutput, ModelInfo
 from replica.kv_cache import BlockHash, KVCacheManager, KVEvent
 from replica.request import Request, RequestStatus, SamplingParams
 from replica.config import CacheConfig, EngineConfig  # noqa: F401 (re-exported: replica.engine names them)
@@ -261,6 +261,11 @@ class EngineCore:
         stats = self.scheduler.make_stats()
         stats.structured_outputs = self.structured_outputs.stats.snapshot()
         return stats
+
+    def model_info(self) -> ModelInfo:
+        return ModelInfo(name=self.model_name, max_model_len=self.max_model_len,
+                         vocab_size=self.model_config.vocab_size, block_size=self.config.cache.block_size,
+                         hash_seed=self.config.cache.hash_seed)
 
     def check_health(self) -> None:
         """WorkerLost if a tensor-parallel rank is gone."""

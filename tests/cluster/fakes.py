@@ -4,7 +4,7 @@ import math
 from collections.abc import Sequence
 
 from cluster.engine_client import EnginesBusy, ReplicaLost
-from replica.async_engine import EngineOutput, EngineRequest
+from replica.async_engine import EngineOutput, EngineRequest, ModelInfo
 from replica.kv_cache import BlockStored, hash_token_blocks
 from replica.scheduler import SchedulerStats
 from replica.executor.chat_templates import CHATML_TOOLS
@@ -116,6 +116,12 @@ class FakeEngineCore:
 
     def cached_block_hashes(self) -> list[bytes]:
         return list(self.cached)
+
+    def shutdown(self) -> None:
+        pass  # holds no process or thread
+
+    def model_info(self) -> ModelInfo:
+        return ModelInfo("fake", max_model_len=1024, vocab_size=200, block_size=BLOCK_SIZE, hash_seed=HASH_SEED)
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(num_running=len(self.requests), num_waiting=0, kv_usage=0.5 if self.requests else 0.0,

@@ -13,6 +13,7 @@ SERVE_OPTIONS = {
     "--ingress-target-ongoing-requests", "--autoscale",
     "--placement-strategy", "--tensor-parallel-size", "--replica-cpus", "--replica-gpus", "--router-sync-interval-s",
     "--router-choice-temperature-tokens", "--publish-interval-s", "--stream-interval-s", "--engine-transport",
+    "--engine-core",
     "--routing-policy", "--max-waiting-requests", "--max-queued-requests", "--max-request-body-bytes",
     "--max-migrations", "--api-key", "--model", "--served-model-name", "--dtype", "--device", "--enforce-eager",
     "--num-kv-blocks", "--kv-cache-gib", "--block-size", "--no-prefix-caching", "--max-num-seqs",
@@ -38,10 +39,11 @@ def test_flags_reach_the_config(monkeypatch):
                    "least_loaded", "--no-prefix-caching", "--dtype", "float32", "--replica-cpus", "2")
     assert config.num_replicas == 3
     routers = parse("--ingress-replicas", "2", "--router-sync-interval-s", "0.05", "--publish-interval-s", "0.03",
-                    "--stream-interval-s", "0.2", "--engine-transport", "ray")
+                    "--stream-interval-s", "0.2", "--engine-transport", "ray", "--engine-core", "process")
     assert (routers.ingress_replicas, routers.router_sync_interval_s, routers.publish_interval_s,
-            routers.stream_interval_s, routers.engine_transport) == (2, 0.05, 0.03, 0.2, "ray")
-    assert (config.stream_interval_s, config.engine_transport) == (0.0, "grpc")
+            routers.stream_interval_s, routers.engine_transport, routers.engine_core) == (2, 0.05, 0.03, 0.2, "ray",
+                                                                                          "process")
+    assert (config.stream_interval_s, config.engine_transport, config.engine_core) == (0.0, "grpc", "thread")
     assert config.routing == "least_loaded"
     assert config.api_key == "from-env"
     assert config.replica_num_cpus == 2.0
