@@ -233,9 +233,9 @@ def stop_session(process: subprocess.Popen, grace_s: float = 60) -> None:
 def prefixserve_command(args: argparse.Namespace, port: int) -> list[str]:
     command = [sys.executable, "-m", "cluster.cli", "serve", "--replicas", "1", "--replica-cpus", str(args.threads),
                "--host", "127.0.0.1", "--port", str(port), "--stream-interval-s", f"{args.stream_interval_s:g}"]
-    for flag in ("model", "dtype", "device"):
+    for flag in ("model", "dtype", "device", "engine_core"):
         if getattr(args, flag):
-            command += [f"--{flag}", getattr(args, flag)]
+            command += [f"--{flag.replace('_', '-')}", getattr(args, flag)]
     return command
 
 
@@ -377,7 +377,8 @@ def setting(args: argparse.Namespace, offline: dict, ran_vllm: bool, load: tuple
              f"- machine: {cpu_model()}, {os.cpu_count()} cores, AVX-512 {'yes' if has_avx512() else 'no (AVX2)'}; "
              f"load average {load[0]:.1f} before, {load[1]:.1f} after",
              f"- prefixserve served: 1 engine replica, {offline['dtype']}, {threads} torch threads "
-             f"(OMP_NUM_THREADS={threads}, --replica-cpus {threads}), --stream-interval-s {args.stream_interval_s:g}",
+             f"(OMP_NUM_THREADS={threads}, --replica-cpus {threads}), --stream-interval-s {args.stream_interval_s:g}"
+             + (f", --engine-core {args.engine_core}" if args.engine_core else ""),
              f"- offline: the engine in a subprocess, {offline['dtype']}, {offline['threads']} torch threads; "
              f"start-up {offline['startup_s']:.0f} s"]
     if ran_vllm:
@@ -411,6 +412,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", help="prefixserve's device (default: the engine's)")
     parser.add_argument("--stream-interval-s", type=float, default=0.0,
                         help="prefixserve's --stream-interval-s (default: %(default)s, as served by default)")
+    parser.add_argument("--engine-core", choices=["process", "thread"], help="prefixserve's (default: its default)")
     parser.add_argument("--vllm-anchor", type=Path, help="$ANCHOR_HOME with venv/, vllm_cli.py, env.sh, "
                         f"{VLLM_MODEL_DIR}/: adds vLLM, and loads both servers with vllm bench serve")
     parser.add_argument("--vllm-dtype", default="bfloat16")
