@@ -13,7 +13,7 @@ from cluster.config import ClusterConfig
 from cluster.metrics import ServingMetrics
 from cluster.engine_client import EnginesBusy, ReplicaLost
 from cluster.serving import OpenAIServing
-from replica.async_engine import EngineOutput, EngineRequest
+from replica.async_engine import EngineDeadError, EngineOutput, EngineRequest
 from replica.executor.checkpoint import load_checkpoint
 from router.follower import running_follower
 
@@ -33,6 +33,8 @@ class ServeEngineClient:
                 yield item
             responses = None  # finished: nothing to cancel
         except RayTaskError as exc:
+            if isinstance(exc.cause, EngineDeadError):  # its engine core failed or died: the replica goes too
+                raise ReplicaLost(str(exc.cause)) from None
             raise exc.cause from None  # the engine's own exception, without the remote traceback
         except BackPressureError as exc:  # the engine deployment's max_queued_requests, counted in this process
             responses = None  # never sent; cancelling it would raise this again

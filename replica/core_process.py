@@ -8,6 +8,7 @@ event loop never waits for a step to end. A core process that fails or dies fail
 EngineDeadError.
 """
 import asyncio
+import contextlib
 import functools
 import logging
 import multiprocessing
@@ -82,7 +83,10 @@ class ProcessEngine(EngineFrontend):
         self._calls: dict[int, asyncio.Future] = {}
         self._next_call = 0
         self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(pipe.fileno(), self._receive)
+        # A thread reads the pipe, not the event loop: a loop watching the pipe may make it non-blocking (uvloop,
+        # Serve's) and a message that arrives in parts then fails to read.
+        self._reader = threading.Thread(target=self._read_forever, name="engine-core-outbox", daemon=True)
+        self._reader.start()
 
     @classmethod
     async def start(cls, make_core: Callable[[], Core], *, after_step: Callable[[CoreView], None] | None = None,
@@ -127,6 +131,8 @@ class ProcessEngine(EngineFrontend):
         await asyncio.to_thread(self._process.join, _SHUTDOWN_TIMEOUT_S)
         if self._process.is_alive():
             self._process.kill()
+        await asyncio.to_thread(self._reader.join)  # it reads to the end of the pipe, which the exit closed
+        self._pipe.close()
         self._close(EngineDeadError("the engine is shutting down"))
 
     def _submit(self, request: EngineRequest, stream: asyncio.Queue) -> None:
@@ -143,13 +149,17 @@ class ProcessEngine(EngineFrontend):
         except OSError:  # the process is gone: the reader reports it
             pass
 
-    def _receive(self) -> None:
+    def _read_forever(self) -> None:
         try:
-            while self._pipe.poll():
-                self._handle(*self._pipe.recv())
-        except (EOFError, OSError):
+            while True:
+                self._loop.call_soon_threadsafe(self._handle, *self._pipe.recv())
+        except (EOFError, OSError) as exc:
             self._process.join(1.0)
-            self._close(EngineDeadError(f"the engine core process exited (code {self._process.exitcode})"))
+            error = EngineDeadError(f"the engine core process exited (code {self._process.exitcode}): {exc!r}")
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            return
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._close, error)
 
     def _handle(self, kind: str, *payload: Any) -> None:
         if kind == "step":
@@ -177,12 +187,10 @@ class ProcessEngine(EngineFrontend):
 
     def _close(self, exc: BaseException) -> None:
         if self._error is None:
-            self._loop.remove_reader(self._pipe.fileno())
             self._fail_all(exc)
             for future in self._calls.values():
                 future.set_exception(exc)
             self._calls.clear()
-            self._pipe.close()
 
 
 def _first_message(pipe: Connection, process: multiprocessing.Process) -> tuple[str, Any]:
