@@ -32,9 +32,9 @@ class ServeEngineClient:
             async for item in responses:
                 yield item
             responses = None  # finished: nothing to cancel
+        except EngineDeadError as exc:  # its engine core failed or died: the replica goes too (over gRPC the error
+            raise ReplicaLost(str(exc)) from None  # comes as it is, over Ray actor calls as a RayTaskError that is one)
         except RayTaskError as exc:
-            if isinstance(exc.cause, EngineDeadError):  # its engine core failed or died: the replica goes too
-                raise ReplicaLost(str(exc.cause)) from None
             raise exc.cause from None  # the engine's own exception, without the remote traceback
         except BackPressureError as exc:  # the engine deployment's max_queued_requests, counted in this process
             responses = None  # never sent; cancelling it would raise this again
