@@ -191,13 +191,13 @@ def anchor_shell(anchor: Path, command: list[str], **env: str) -> list[str]:
 @contextlib.contextmanager
 def running_server(command: list[str], base_url: str, env: dict[str, str], startup_timeout_s: float,
                    log_path: Path) -> Iterator[str]:
-    """Starts a server in a session of its own, yields the model name once GET /v1/models answers, and
-    stops the whole session."""
+    """Starts a server in a session of its own, yields the model name and the session's id once GET /v1/models
+    answers, and stops the whole session."""
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
                                    start_new_session=True)
         try:
-            yield wait_for_model(process, base_url, startup_timeout_s, log_path)
+            yield wait_for_model(process, base_url, startup_timeout_s, log_path), os.getsid(process.pid)
         finally:
             stop_session(process)
 
@@ -254,19 +254,57 @@ def vllm_env(anchor: Path, threads: int) -> dict[str, str]:
 
 
 def bench_server(name: str, command: list[str], env: dict[str, str], args: argparse.Namespace, port: int,
-                 workloads: list[Workload], log_dir: Path) -> dict[str, dict[str, float]]:
-    """Every workload against one server, with vLLM's client given the anchor, else ours."""
+                 workloads: list[Workload], log_dir: Path) -> dict[str, dict]:
+    """Every workload against one server, with vLLM's client given the anchor, else ours; with each, the CPU
+    that the server's processes spent on it, per output token."""
     base_url = f"http://127.0.0.1:{port}"
-    with running_server(command, base_url, env, args.startup_timeout_s, log_dir / f"{name}.log") as model:
+    with running_server(command, base_url, env, args.startup_timeout_s, log_dir / f"{name}.log") as (model, sid):
         print(f"{name}: serving {model} on {base_url}", flush=True)
         results = {}
         for workload in workloads:
+            before = session_cpu_s(sid)
             if args.vllm_anchor:
                 results[workload.name] = run_vllm_bench(args.vllm_anchor, base_url, model, workload)
             else:
                 results[workload.name] = asyncio.run(run_load(base_url, model, workload))
+            results[workload.name]["cpu_ms_per_token"] = cpu_ms_per_token(
+                before, session_cpu_s(sid), workload.output_len * len(workload.prompts))
             print(f"{name} {workload.name}: {format_figures(results[workload.name])}", flush=True)
     return results
+
+
+def session_cpu_s(sid: int) -> dict[int, tuple[str, float]]:
+    """pid -> (what it is, user + system CPU seconds so far) of every process of the server's session."""
+    import psutil
+
+    processes = {}
+    for process in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if os.getsid(process.pid) == sid:
+                times = process.cpu_times()
+                processes[process.pid] = (process_label(process.info["cmdline"] or []), times.user + times.system)
+    return processes
+
+
+def process_label(cmdline: list[str]) -> str:
+    if any("spawn_main" in part for part in cmdline):
+        return "spawned process (engine core)"
+    first = cmdline[0] if cmdline else "?"
+    if first.startswith("ray::"):  # a Ray worker's title: ray::ServeReplica:<app>:<deployment>, ray::ProxyActor
+        return first.removeprefix("ray::").split()[0]
+    if Path(first).name.startswith("python"):
+        return " ".join([part for part in cmdline[1:] if not part.startswith("-")][:2]) or "python"
+    return Path(first).name
+
+
+def cpu_ms_per_token(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]],
+                     num_tokens: int) -> dict[str, float]:
+    """What -> CPU ms per output token between two session_cpu_s snapshots (a process that started between them
+    counts from zero; one that ended is missed)."""
+    spent: dict[str, float] = {}
+    for pid, (label, seconds) in after.items():
+        spent[label] = spent.get(label, 0.0) + seconds - before.get(pid, (label, 0.0))[1]
+    return {label: 1e3 * seconds / num_tokens for label, seconds in sorted(spent.items(), key=lambda kv: -kv[1])}
 
 
 def offline_worker(request_path: str, report_path: str) -> None:
@@ -341,6 +379,7 @@ def table(served: dict, vllm: dict | None, offline: dict, burst: Workload, prefi
             ratio = f"{r['output_throughput'] / vllm[workload]['output_throughput']:.2f}x" if vllm else "-"
             rows.append(f"| {name} | {workload} | {r['output_throughput']:.1f} | {r['request_throughput']:.2f} | "
                         f"{r['median_ttft_ms']:.0f} | {r['p99_ttft_ms']:.0f} | {r['median_tpot_ms']:.1f} | {ratio} |")
+    rows += ["", *cpu_table(served, vllm)]
     rows += ["", "| offline, all at once | prompts | time s | output tok/s | served / this |",
              "|---|---|---:|---:|---:|"]
     for name, key, workload in (("engine (LLM.generate)", "engine_s", burst),
@@ -351,6 +390,22 @@ def table(served: dict, vllm: dict | None, offline: dict, burst: Workload, prefi
             tok_s = workload.output_len * len(workload.prompts) / offline[key]
             served_tok_s = served[workload.name]["output_throughput"]
             rows.append(f"| {name} | {workload.name} | {offline[key]:.2f} | {tok_s:.1f} | {served_tok_s / tok_s:.2f} |")
+    return rows
+
+
+def cpu_table(served: dict, vllm: dict | None) -> list[str]:
+    """Markdown rows: each server's CPU ms per output token, by process, on each workload."""
+    workloads = list(served)
+    rows = [f"| CPU ms per output token | process | {' | '.join(workloads)} |",
+            f"|---|---|{'---:|' * len(workloads)}"]
+    for name, results in (("prefixserve", served), ("vLLM", vllm)):
+        if results is None:
+            continue
+        labels = {label: None for workload in workloads for label in results[workload]["cpu_ms_per_token"]}
+        for label in ["all", *labels]:
+            figures = [sum(results[w]["cpu_ms_per_token"].values()) if label == "all"
+                       else results[w]["cpu_ms_per_token"].get(label, 0.0) for w in workloads]
+            rows.append(f"| {name} | {label} | {' | '.join(f'{figure:.2f}' for figure in figures)} |")
     return rows
 
 

@@ -13,7 +13,8 @@ from cluster.config import ClusterConfig
 from cluster.metrics import ServingMetrics
 from cluster.engine_client import EnginesBusy, ReplicaLost
 from cluster.serving import OpenAIServing
-from replica.async_engine import EngineDeadError, EngineOutput, EngineRequest
+from replica.async_engine import EngineOutput, EngineRequest
+from replica.core_process import EngineCoreLost
 from replica.executor.checkpoint import load_checkpoint
 from router.follower import running_follower
 
@@ -32,7 +33,7 @@ class ServeEngineClient:
             async for item in responses:
                 yield item
             responses = None  # finished: nothing to cancel
-        except EngineDeadError as exc:  # its engine core failed or died: the replica goes too (over gRPC the error
+        except EngineCoreLost as exc:  # its engine core's process died: the replica goes too (over gRPC the error
             raise ReplicaLost(str(exc)) from None  # comes as it is, over Ray actor calls as a RayTaskError that is one)
         except RayTaskError as exc:
             raise exc.cause from None  # the engine's own exception, without the remote traceback

@@ -29,6 +29,11 @@ logger = logging.getLogger("ray.serve.prefixserve.engine")
 _SHUTDOWN_TIMEOUT_S = 10.0
 
 
+class EngineCoreLost(EngineDeadError):
+    """The core process is gone (killed, out of memory, crashed) while the serving process lives: its requests may
+    go on elsewhere. A core that fails a step (an exception) is only an EngineDeadError, as in a thread."""
+
+
 @dataclass
 class Step:
     """What the core process sends after each step (and every idle interval when idle)."""
@@ -155,7 +160,7 @@ class ProcessEngine(EngineFrontend):
                 self._loop.call_soon_threadsafe(self._handle, *self._pipe.recv())
         except (EOFError, OSError) as exc:
             self._process.join(1.0)
-            error = EngineDeadError(f"the engine core process exited (code {self._process.exitcode}): {exc!r}")
+            error = EngineCoreLost(f"the engine core process exited (code {self._process.exitcode}): {exc!r}")
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             return
         with contextlib.suppress(RuntimeError):

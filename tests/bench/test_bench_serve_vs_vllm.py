@@ -93,18 +93,49 @@ def test_the_offline_rows_set_each_all_at_once_workload_against_the_engine_on_it
     burst = bench.random_burst(num_prompts=4, input_len=5, output_len=10, vocab_size=100, seed=0)  # 40 tokens
     prefix = bench.prefix_repetition("prefix", 2, 1, 3, 2, 5, 100, 0)  # 10 tokens
     figures = {"request_throughput": 1.0, "median_ttft_ms": 50.0, "p99_ttft_ms": 70.0, "median_tpot_ms": 20.0}
-    served = {"burst": {**figures, "output_throughput": 16.0}, "prefix": {**figures, "output_throughput": 4.0}}
+    served = {"burst": {**figures, "output_throughput": 16.0, "cpu_ms_per_token": {"engine": 2.0, "proxy": 0.5}},
+              "prefix": {**figures, "output_throughput": 4.0, "cpu_ms_per_token": {"engine": 3.0}}}
     offline = {"engine_s": 2.0, "engine_prefix_s": 2.0, "projections_s": 1.0, "startup_s": 3.0}
     rows = bench.table(served, None, offline, burst, prefix)
-    assert rows[rows.index("") + 1:] == [
+    cpu = rows.index("") + 1
+    assert rows[cpu:cpu + 5] == [
+        "| CPU ms per output token | process | burst | prefix |", "|---|---|---:|---:|",
+        "| prefixserve | all | 2.50 | 3.00 |", "| prefixserve | engine | 2.00 | 3.00 |",
+        "| prefixserve | proxy | 0.50 | 0.00 |"]
+    assert rows[cpu + 6:] == [
         "| offline, all at once | prompts | time s | output tok/s | served / this |", "|---|---|---:|---:|---:|",
         "| engine (LLM.generate) | burst | 2.00 | 20.0 | 0.80 |",
         "| engine (LLM.generate) | prefix | 2.00 | 5.0 | 0.80 |",
         "| projections alone | burst | 1.00 | 40.0 | 0.40 |"]
 
 
-def test_prefixserve_is_served_with_the_stream_interval_asked_for():
-    args = argparse.Namespace(threads=2, stream_interval_s=0.25, model=None, dtype="bfloat16", device=None)
+def test_cpu_per_token_adds_up_each_kind_of_process_and_counts_a_new_one_from_zero():
+    before = {1: ("ServeReplica:prefixserve:engine", 10.0), 2: ("ProxyActor", 5.0), 3: ("raylet", 1.0)}
+    after = {1: ("ServeReplica:prefixserve:engine", 14.0), 2: ("ProxyActor", 6.0), 3: ("raylet", 1.5),
+             4: ("ServeReplica:prefixserve:engine", 2.0)}
+    assert bench.cpu_ms_per_token(before, after, num_tokens=1000) == {
+        "ServeReplica:prefixserve:engine": 6.0, "ProxyActor": 1.0, "raylet": 0.5}
+    assert list(bench.cpu_ms_per_token(before, after, 1000)) == ["ServeReplica:prefixserve:engine", "ProxyActor",
+                                                                 "raylet"]
+
+
+@pytest.mark.parametrize("cmdline, label", [
+    (["ray::ServeReplica:prefixserve:engine"], "ServeReplica:prefixserve:engine"),
+    (["ray::ProxyActor", ""], "ProxyActor"),
+    (["/usr/bin/python3", "-c", "from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=5)"],
+     "spawned process (engine core)"),
+    (["/venv/bin/python", "-m", "cluster.cli", "serve"], "cluster.cli serve"),
+    (["/ray/core/src/ray/gcs/gcs_server", "--flag"], "gcs_server"),
+])
+def test_processes_are_named_by_what_they_run(cmdline, label):
+    assert bench.process_label(cmdline) == label
+
+
+def test_prefixserve_is_served_with_the_stream_interval_and_engine_core_asked_for():
+    args = argparse.Namespace(threads=2, stream_interval_s=0.25, model=None, dtype="bfloat16", device=None,
+                              engine_core=None)
     command = bench.prefixserve_command(args, port=8100)
     assert command[1:] == ["-m", "cluster.cli", "serve", "--replicas", "1", "--replica-cpus", "2", "--host",
                            "127.0.0.1", "--port", "8100", "--stream-interval-s", "0.25", "--dtype", "bfloat16"]
+    args.engine_core = "process"
+    assert bench.prefixserve_command(args, port=8100)[-2:] == ["--engine-core", "process"]
