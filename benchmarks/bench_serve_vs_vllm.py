@@ -293,7 +293,8 @@ def process_label(cmdline: list[str]) -> str:
     if first.startswith("ray::"):  # a Ray worker's title: ray::ServeReplica:<app>:<deployment>, ray::ProxyActor
         return first.removeprefix("ray::").split()[0]
     if Path(first).name.startswith("python"):
-        return " ".join([part for part in cmdline[1:] if not part.startswith("-")][:2]) or "python"
+        words = [Path(part).name if part.endswith(".py") else part for part in cmdline[1:] if not part.startswith("-")]
+        return " ".join(words[:2]) or "python"
     return Path(first).name
 
 

@@ -126,6 +126,7 @@ def test_cpu_per_token_adds_up_each_kind_of_process_and_counts_a_new_one_from_ze
      "spawned process (engine core)"),
     (["/venv/bin/python", "-m", "cluster.cli", "serve"], "cluster.cli serve"),
     (["/ray/core/src/ray/gcs/gcs_server", "--flag"], "gcs_server"),
+    (["/venv/bin/python3", "-u", "/venv/lib/site-packages/ray/_private/log_monitor.py", "--x=1"], "log_monitor.py"),
 ])
 def test_processes_are_named_by_what_they_run(cmdline, label):
     assert bench.process_label(cmdline) == label
