@@ -4,8 +4,8 @@ The core process loops on its own: it takes what arrived (requests, aborts, call
 while it has work, and sends one message per step with every request's outputs, the step's KV events and the
 core's stats. The serving process, with its Ray and Serve machinery, never shares an interpreter with the step;
 a reader thread of the core process takes messages off the pipe while the step runs, so that a send from the
-event loop never waits for a step to end. A core process that fails or dies fails every stream of it with
-EngineDeadError.
+event loop never waits for a step to end. A core that fails a step fails every stream of it with EngineDeadError;
+a core process that dies, with EngineCoreLost.
 """
 import asyncio
 import contextlib
@@ -211,7 +211,7 @@ def core_of(config: EngineConfig) -> Callable[[], Core]:
 
 
 def _engine_core(config: EngineConfig) -> Core:
-    from replica.engine import EngineCore  # in the core process: the serving side need not import torch for it
+    from replica.engine import EngineCore  # imported in the core process, when it runs
 
     return EngineCore(config)
 
@@ -228,9 +228,12 @@ def run_core(pipe: Connection, make_core: Callable[[], Core], idle_interval_s: f
     threading.Thread(target=_read_forever, args=(pipe, inbox), name="engine-core-inbox", daemon=True).start()
     try:
         _loop(core, pipe, inbox, idle_interval_s)
+    except BrokenPipeError:
+        pass  # the serving process is gone, and with it whoever would read what this step made
     except Exception as exc:
         logger.exception("engine core failed")
-        pipe.send(("failed", EngineDeadError(f"the engine core failed: {exc!r}")))
+        with contextlib.suppress(OSError):
+            pipe.send(("failed", EngineDeadError(f"the engine core failed: {exc!r}")))
     finally:
         core.shutdown()
 
