@@ -190,8 +190,8 @@ def kill_replica(replica_id: str) -> None:
     ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
 
 
-def stream_killing_its_replica(base_url: str) -> tuple[str, list[dict]]:
-    """The replica that took the stream, and the stream's chunks; that replica is killed mid-stream."""
+def stream_killing_its_replica(base_url: str, kill=kill_replica) -> tuple[str, list[dict]]:
+    """The replica that took the stream, and the stream's chunks; kill(that replica's id) runs mid-stream."""
     chunks = []
     with httpx.stream("POST", f"{base_url}/v1/completions", json=MIGRATED | {"stream": True}, timeout=120) as response:
         replica_id = response.headers[REPLICA_HEADER]
@@ -199,7 +199,7 @@ def stream_killing_its_replica(base_url: str) -> tuple[str, list[dict]]:
             if line.startswith("data: {"):
                 chunks.append(json.loads(line.removeprefix("data: ")))
                 if len(chunks) == KILL_AFTER_CHUNKS:
-                    kill_replica(replica_id)
+                    kill(replica_id)
     return replica_id, chunks
 
 

@@ -1,7 +1,6 @@
 """The real app with each engine replica's core in a process of its own (`--engine-core process`): prefix routing
 fed by the core's KV events, and an engine core killed mid-stream under a replica that lives on, whose request
 the other replica finishes as the undisturbed run would."""
-import json
 import os
 import signal
 import time
@@ -13,8 +12,8 @@ import pytest
 import ray
 
 from cluster.config import ClusterConfig
-from cluster.protocol import REPLICA_HEADER
-from tests.cluster.test_e2e import ENGINE, KILL_AFTER_CHUNKS, MIGRATED, metric_values, send_groups, served
+from tests.cluster.test_e2e import (ENGINE, MIGRATED, metric_values, send_groups, served,
+                                    stream_killing_its_replica)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -45,14 +44,8 @@ def test_prefix_routing_keeps_each_group_where_its_core_cached_it(base_url):
 
 def test_killing_the_engine_core_serving_a_stream_moves_the_request_unnoticed(base_url):
     undisturbed = httpx.post(f"{base_url}/v1/completions", json=MIGRATED, timeout=120).json()
-    chunks = []
-    with httpx.stream("POST", f"{base_url}/v1/completions", json=MIGRATED | {"stream": True}, timeout=120) as response:
-        replica_id = response.headers[REPLICA_HEADER]
-        for line in response.iter_lines():
-            if line.startswith("data: {"):
-                chunks.append(json.loads(line.removeprefix("data: ")))
-                if len(chunks) == KILL_AFTER_CHUNKS:
-                    os.kill(core_process_of(replica_id), signal.SIGKILL)
+    replica_id, chunks = stream_killing_its_replica(
+        base_url, kill=lambda replica_id: os.kill(core_process_of(replica_id), signal.SIGKILL))
     *text_chunks, usage_chunk = chunks
     assert "".join(chunk["choices"][0]["text"] for chunk in text_chunks) == undisturbed["choices"][0]["text"]
     assert usage_chunk["usage"] == undisturbed["usage"]
