@@ -52,4 +52,5 @@ class MigratingEngineClient:
         block_hashes = request.block_hashes + hash_token_blocks(
             request.prompt_token_ids + output_token_ids, self._model.block_size, cache_salt=request.cache_salt,
             seed=self._model.hash_seed, parent_hashes=request.block_hashes)
-        return dataclasses.replace(request, output_token_ids=list(output_token_ids), block_hashes=block_hashes)
+        return dataclasses.replace(request, output_token_ids=list(output_token_ids), block_hashes=block_hashes,
+                                   route_to=None)

@@ -223,12 +223,11 @@ class OpenAIServing:
                                                                          for choice in choices)})
 
     async def _start_choices(self, prepared: _Prepared, arrival_time: float) -> list["_Choice"]:
-        """n > 1: one engine request a choice, each with its own seed, routed as a request of its own (the router
-        sees the prompt's blocks the first one booked)."""
+        """n > 1: one engine request a choice, each with its own seed. The first is routed; once its first token is
+        out, the others go to its replica, where they find the prompt's full blocks cached: one prefill."""
         requests = _choice_requests(prepared.request, prepared.body.n)
-        streams = [self.engine.generate(request) for request in requests]
         try:
-            firsts = await _first_outputs(streams)
+            streams, firsts = await _started(self.engine, requests)
         except ENGINE_ERRORS as exc:
             raise engine_error(exc) from None
         logprobs = prepared.request.params.logprobs
@@ -354,19 +353,23 @@ def _choice_requests(request: EngineRequest, n: int) -> list[EngineRequest]:
         update={"seed": None if seed is None else seed + index})) for index in range(n)]
 
 
-async def _first_outputs(streams: list[AsyncGenerator[EngineOutput, None]]) -> list[EngineOutput]:
-    """Each stream's first output; if one fails, the others are closed and its error raised. Each stream is
-    driven by this task alone, from its first output to its last (Serve's streams stay with the task that
-    started them)."""
-    firsts = []
+async def _started(engine: EngineClient, requests: list[EngineRequest]
+                   ) -> tuple[list[AsyncGenerator[EngineOutput, None]], list[EngineOutput]]:
+    """Each request's stream and its first output, the first request's replica given to the others; if one fails,
+    the others are closed and its error raised. Each stream is driven by this task alone, from its first output to
+    its last (Serve's streams stay with the task that started them)."""
+    streams, firsts = [], []
     try:
-        for stream in streams:
-            firsts.append(await anext(stream))
+        for request in requests:
+            if firsts:
+                request = replace(request, route_to=firsts[0].replica_id)
+            streams.append(engine.generate(request))
+            firsts.append(await anext(streams[-1]))
     except BaseException:
         for stream in streams:
             await stream.aclose()
         raise
-    return firsts
+    return streams, firsts
 
 
 async def _outputs_in_turn(choices: list[_Choice]) -> AsyncIterator[tuple[_Choice, EngineOutput]]:

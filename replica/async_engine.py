@@ -44,6 +44,7 @@ class EngineRequest:
     session_id: str | None = None  # the conversation or agent program it is a turn of
     last_turn: bool = False  # the program's last: under the continuum policy, nothing to pin its blocks for
     output_token_ids: list[int] = field(default_factory=list)  # generated on a replica that was lost
+    route_to: str | None = None  # the replica it goes to if still there (a later choice of n: its first's); else routed
 
     @property
     def num_tokens(self) -> int:

@@ -155,20 +155,25 @@ class Router:
         self._decisions: Counter[str] = Counter()
 
     def choose(self, request_id: str, block_hashes: Sequence[BlockHash], candidates: Sequence[str], *,
-               num_prompt_tokens: int | None = None, session_id: str | None = None) -> RoutingDecision:
+               num_prompt_tokens: int | None = None, session_id: str | None = None,
+               route_to: str | None = None) -> RoutingDecision:
         """Pick the replica for a request with this block-hash chain and book the request on it.
 
         num_prompt_tokens defaults to the chain's full blocks; routing the same request id again
         (its first replica refused it) moves its booking. A session's turns share their history's
         prefix, which the index already follows; session_id tells the router which sessions are
-        parked between turns, and so will come back, on each replica.
+        parked between turns, and so will come back, on each replica. route_to: the replica the
+        request must go to while it is a candidate (a later choice of n goes where its first went).
         """
         if not candidates:
             raise ValueError("no candidate replicas to route to")
         request, now = self._arrive(request_id, block_hashes, num_prompt_tokens, session_id)
         matched = self.index.match(block_hashes)
-        decision = self._policy.choose(request, [
-            self._candidate(replica_id, matched.get(replica_id, 0), now) for replica_id in candidates])
+        if route_to in candidates:
+            decision = RoutingDecision(route_to, matched.get(route_to, 0), "directed")
+        else:
+            decision = self._policy.choose(request, [
+                self._candidate(replica_id, matched.get(replica_id, 0), now) for replica_id in candidates])
         self._book(request_id, decision, request, block_hashes, now, session_id)
         self._decisions[decision.outcome] += 1
         return decision

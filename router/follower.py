@@ -57,9 +57,9 @@ class FollowingRouter:
         loop.call_soon_threadsafe(lambda: loop.create_task(self._run()))
 
     def choose(self, request_id: str, block_hashes: Sequence[BlockHash], candidates: Sequence[str], *,
-               num_prompt_tokens: int, session_id: str | None) -> RoutingDecision:
+               num_prompt_tokens: int, session_id: str | None, route_to: str | None = None) -> RoutingDecision:
         decision = self.router.choose(request_id, block_hashes, candidates, num_prompt_tokens=num_prompt_tokens,
-                                      session_id=session_id)
+                                      session_id=session_id, route_to=route_to)
         self._share(SharedBooking(request_id, decision.replica_id, block_hashes, num_prompt_tokens, session_id))
         return decision
 

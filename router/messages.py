@@ -19,7 +19,7 @@ class FinishedRequest:
 class RoutingDecision:
     replica_id: str
     matched_blocks: int
-    outcome: str  # "prefix_hit", "no_hit", "spill", "round_robin", "least_loaded", "fallback" or "booked"
+    outcome: str  # "prefix_hit", "no_hit", "spill", "round_robin", "least_loaded", "directed", "fallback" or "booked"
 
 
 @dataclass(frozen=True, slots=True)

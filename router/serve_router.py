@@ -23,6 +23,7 @@ class Routable(Protocol):
     num_tokens: int  # to compute before it generates: its prompt, and the output of a migrated request
     block_hashes: list[BlockHash]  # of those tokens' full blocks
     session_id: str | None
+    route_to: str | None  # the replica it must go to while it is there
 
 
 class PrefixAwareRequestRouter(RequestRouter):
@@ -41,7 +42,8 @@ class PrefixAwareRequestRouter(RequestRouter):
             return [candidate_replicas]
         by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
         decision = self._following.choose(request.request_id, request.block_hashes, list(by_id),
-                                          num_prompt_tokens=request.num_tokens, session_id=request.session_id)
+                                          num_prompt_tokens=request.num_tokens, session_id=request.session_id,
+                                          route_to=request.route_to)
         chosen = by_id[decision.replica_id]
         self._choices[request.request_id] = decision.replica_id
         # Should the chosen replica refuse (queue full), Serve moves on to the second tier.

@@ -542,7 +542,7 @@ def test_an_engine_that_fails_a_constraint_gets_a_400():
     assert error_of(response)["message"] == "the constraint took too long to compile"
 
 
-def test_n_choices_are_one_engine_request_each_with_the_prompt_counted_once():
+def test_n_choices_are_one_engine_request_each_sent_where_the_first_went_with_the_prompt_counted_once():
     engine = FakeEngineClient("replica-a")
     response = request(make_app(engine), "POST", "/v1/chat/completions",
                        json={"model": MODEL, "messages": HI, "max_tokens": 3, "n": 3, "seed": 5})
@@ -554,8 +554,8 @@ def test_n_choices_are_one_engine_request_each_with_the_prompt_counted_once():
     assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 9, "total_tokens": prompt_tokens + 9,
                              "prompt_tokens_details": {"cached_tokens": cached_tokens(0)}}
     response_id = body["id"]
-    assert [(sent.request_id, sent.params.seed) for sent in engine.requests] == [
-        (f"{response_id}-{index}", 5 + index) for index in range(3)]
+    assert [(sent.request_id, sent.params.seed, sent.route_to) for sent in engine.requests] == [
+        (f"{response_id}-0", 5, None), (f"{response_id}-1", 6, "replica-a"), (f"{response_id}-2", 7, "replica-a")]
     assert len({tuple(sent.block_hashes) for sent in engine.requests}) == 1
     assert response.headers[REPLICA_HEADER] == "replica-a"
 

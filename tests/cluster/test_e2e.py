@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 
 import httpx
@@ -31,7 +32,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 MODEL = "SmolLM2-135M-Instruct"
 MAX_MODEL_LEN = 512
 # fp32: bf16 need not recompute a migrated request's tokens as decoding made them (README, Migration)
-ENGINE = {"dtype": "float32", "num_kv_blocks": 160, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 16}
+BLOCK_SIZE = 16
+ENGINE = {"dtype": "float32", "block_size": BLOCK_SIZE, "num_kv_blocks": 160, "max_model_len": MAX_MODEL_LEN,
+          "max_num_seqs": 16}
 STARTUP_TIMEOUT_S = 240
 # Two long system prompts: each group's requests share one of them, then differ in the question.
 PREFIXES = {
@@ -176,6 +179,22 @@ def test_prefix_routing_keeps_each_group_on_the_replica_caching_its_prefix(clien
         replicas = {replica_id for replica_id, _ in served}
         assert len(replicas) == 1, f"{group} spread over {replicas}"
         assert all(cached >= 160 for _, cached in served[1:]), served
+
+
+def test_n_choices_share_one_prefill_on_one_replica(base_url, client):
+    prompt = f"{uuid.uuid4().hex} {PREFIXES['cooking']}"  # cached nowhere
+    before = metric_values(base_url, "prefix_cache_hits_total")
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt=prompt, n=3, max_tokens=4, seed=3)
+    (replica_id,) = raw.headers[REPLICA_HEADER].split(",")
+    # the first choice computes the prompt; the others find its full blocks but the last token's cached
+    hit_per_choice = (raw.parse().usage.prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
+    deadline = time.monotonic() + 30
+    while metric_values(base_url, "prefix_cache_hits_total")[replica_id] - before.get(replica_id, 0) \
+            != 2 * hit_per_choice:
+        assert time.monotonic() < deadline, (before, metric_values(base_url, "prefix_cache_hits_total"))
+        time.sleep(0.2)
+    decisions = httpx.get(f"{base_url}/metrics").text.splitlines()
+    assert 'prefixserve:router_decisions_total{outcome="directed",policy="prefix"} 2.0' in decisions
 
 
 MIGRATED = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "ignore_eos": True,

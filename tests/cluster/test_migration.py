@@ -51,6 +51,16 @@ def test_a_stream_whose_replica_is_lost_goes_on_elsewhere_as_if_undisturbed():
     assert "prefixserve:request_migrations_total 1.0" in metrics.splitlines()
 
 
+def test_a_later_choice_sent_to_the_first_choices_replica_goes_wherever_it_is_routed_once_that_is_lost():
+    undisturbed, _ = post(FakeEngineClient(), n=2)
+    migrated, _ = post(engine := FakeEngineClient(lost_after=[1]), n=2)
+    assert without_id(migrated.json()) == without_id(undisturbed.json())
+    response_id = migrated.json()["id"]
+    assert [(sent.request_id, sent.route_to) for sent in engine.requests] == [
+        (f"{response_id}-0", None), (f"{response_id}-1", "replica-a"), (f"{response_id}-0", None),
+        (f"{response_id}-1", None)]
+
+
 def test_the_ingress_times_the_request_once_and_counts_tokens_where_they_were_generated():
     _, metrics = post(FakeEngineClient(lost_after=[2]), stream=True)
     lines = metrics.splitlines()

@@ -2,7 +2,7 @@
 feed keeps current (no Ray cluster)."""
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 
@@ -120,6 +120,19 @@ def test_the_replica_the_feed_says_caches_the_prefix_comes_first_and_the_booking
 
     assert ids(run(test, feed)) == [["b"], ["a", "c"]]
     assert feed.bookings == [SharedBooking("req-1", "b", chain(1, 2), 8, "chat-1")]
+
+
+def test_a_request_routed_to_a_replica_puts_it_first_and_books_it_there():
+    feed = FakeFeed()
+    request = replace(REQUEST, route_to="c")
+
+    async def test(router, replicas):
+        tiers = await router.choose_replicas(replicas, FakePendingRequest([request]))
+        await synced(router)
+        return tiers
+
+    assert ids(run(test, feed)) == [["c"], ["a", "b"]]
+    assert feed.bookings == [SharedBooking("req-1", "c", REQUEST.block_hashes, 4, "chat-1")]
 
 
 def test_a_booking_reaches_the_feed_while_the_sync_is_held():

@@ -94,6 +94,17 @@ def test_a_burst_follows_the_first_request_before_the_replica_reports():
     assert (first, second) == (RoutingDecision("a", 0, "no_hit"), RoutingDecision("a", 40, "prefix_hit"))
 
 
+def test_a_request_routed_to_a_replica_goes_there_over_a_lighter_one_while_it_is_a_candidate():
+    router = make_router()
+    publish(router, "a", 1, [stored(chain(*range(4)))], num_running=30, pending=4000)
+    publish(router, "b", 1)
+    assert router.choose("r1", chain(*range(5)), ["a", "b"]).replica_id == "b"  # the load outweighs the hit
+    assert router.choose("r2", chain(*range(5)), ["a", "b"], route_to="a") == RoutingDecision("a", 4, "directed")
+    assert router.num_in_flight("a") == 1  # booked like any routed request
+    assert router.choose("r3", chain(*range(5)), ["b"], route_to="a").replica_id == "b"  # a is gone: routed
+    assert router.snapshot().decisions == {"spill": 1, "directed": 1, "prefix_hit": 1}
+
+
 def test_another_routers_booking_counts_as_if_this_router_had_routed_it():
     router = make_router(request_cost_tokens=32)
     router.book("r1", chain(*range(40)), "a")
