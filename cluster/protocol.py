@@ -159,24 +159,26 @@ class _GenerationRequest(pydantic.BaseModel):
 
     def sampling_params(self, max_tokens: int, tool_constraint: StructuredOutputsParams | None = None
                         ) -> SamplingParams:
-        """tool_constraint: the grammar of a forced tool call. ValueError (pydantic's included) for values that
-        do not go together."""
+        """tool_constraint: the grammar of the tool calls, which holds the answer's own constraint if it has one.
+        ValueError (pydantic's included) for values that do not go together."""
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         logprobs, top_logprobs = self.requested_logprobs
+        structured_outputs = tool_constraint if tool_constraint is not None else self.structured_outputs_params()
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos,
-                              logprobs=logprobs, top_logprobs=top_logprobs,
-                              structured_outputs=self.structured_outputs_params(tool_constraint))
+                              logprobs=logprobs, top_logprobs=top_logprobs, structured_outputs=structured_outputs)
 
-    def structured_outputs_params(self, tool_constraint: StructuredOutputsParams | None = None
-                                  ) -> StructuredOutputsParams | None:
-        constraints = [constraint for constraint in (
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The answer's own constraint: response_format or structured_outputs."""
+        constraints = self._constraints()
+        if len(constraints) > 1:
+            raise ValueError("only one kind of constraint per request: response_format or structured_outputs")
+        return StructuredOutputsParams(**constraints[0]) if constraints else None
+
+    def _constraints(self) -> list[dict[str, Any]]:
+        return [constraint for constraint in (
             self.response_format.constraint() if self.response_format else {},
             self.structured_outputs.constraint() if self.structured_outputs else {}) if constraint]
-        if len(constraints) + (tool_constraint is not None) > 1:
-            raise ValueError("only one kind of constraint per request: response_format, structured_outputs or a "
-                             "tool_choice that forces a call")
-        return StructuredOutputsParams(**constraints[0]) if constraints else tool_constraint
 
 
 class CompletionRequest(_GenerationRequest):
@@ -287,6 +289,9 @@ class ChatCompletionRequest(_GenerationRequest):
                 raise ValueError("tool_choice other than none and auto needs tools")
             if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
                 raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not among the tools")
+        if self.forces_a_call and self._constraints():
+            raise ValueError("only one kind of constraint per request: a tool_choice that forces a call leaves no "
+                             "answer for response_format or structured_outputs")
         return self
 
     @property

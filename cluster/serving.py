@@ -26,7 +26,8 @@ from cluster.migration import MigratingEngineClient
 from cluster.protocol import (REPLICA_HEADER, SSE_DONE, APIError, ChatCompletionRequest, ChatFormat,
                               CompletionFormat, CompletionRequest, ResponseFormat, TokenLogprob, describe, sse,
                               usage)
-from cluster.tool_calls import ToolCallParser, format_for
+from cluster.tool_calls import (FREE_TEXT, ToolCallParser, answer_grammar, format_for,
+                                 with_free_arguments_unless_strict)
 from replica.async_engine import EngineOutput, EngineRequest, ModelInfo
 from replica.kv_cache import hash_token_blocks
 from replica.request import SamplingParams
@@ -181,7 +182,9 @@ class OpenAIServing:
         return self._prepare(body, prompt_token_ids, response_format, tool_constraint=tool_constraint)
 
     def _tool_calls(self, body: ChatCompletionRequest) -> tuple[ToolCallParser | None, StructuredOutputsParams | None]:
-        """How to find the calls in the answer, and the grammar that forces one (tool_choice required or named)."""
+        """How to find the calls in the answer, and the grammar of its calls: one forced (tool_choice required or
+        named), or an answer that calls may replace (auto), the strict tools' arguments held to their parameters
+        and the answer to its own constraint; None where neither holds anything."""
         tools = body.tools_in_play
         if not tools:
             return None, None
@@ -190,10 +193,18 @@ class OpenAIServing:
             raise APIError("this model's chat template writes tool calls in a format prefixserve does not parse",
                            param="tools")
         parser = ToolCallParser(call_format, frozenset(tool["function"]["name"] for tool in tools))
+        answer = None
         if not body.forces_a_call:
-            return parser, None
+            try:
+                answer = answer_grammar(body.structured_outputs_params())
+            except ValueError as exc:
+                raise APIError(str(exc)) from None
+            if answer is None or (answer == FREE_TEXT and not any(tool["function"].get("strict") for tool in tools)):
+                return parser, None  # free calls, or (regex, choice, grammar) the answer's constraint alone
+            tools = with_free_arguments_unless_strict(tools)
         try:
-            grammar = call_format.grammar(tools, body.parallel_tool_calls, self.tokenizer.special_token_id)
+            grammar = call_format.grammar(tools, body.parallel_tool_calls, self.tokenizer.special_token_id,
+                                          answer=answer)
         except ValueError as exc:
             raise APIError(str(exc), param="tools") from None
         return parser, StructuredOutputsParams(grammar=grammar)

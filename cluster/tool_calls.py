@@ -20,7 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from replica.structured_output import StructuredOutputsParams
+from replica.structured_output.backend import lark_json
+
 WHITESPACE = r'WS: /[ \t\n]{1,8}/'
+FREE_TEXT = "TEXT"  # an answer of any text
 
 
 @dataclass(frozen=True)
@@ -54,21 +58,37 @@ class ToolCallFormat:
             return uuid.uuid4().hex[:9]
         return "call_" + uuid.uuid4().hex[:self.id_length]
 
-    def grammar(self, tools: list[dict], parallel: bool, special_token_id: Callable[[str], int | None]) -> str:
-        """A Lark grammar (llguidance's, with %json) of one call, or one or more with parallel, in this format."""
-        call = f"call: %json {json.dumps(_call_schema(tools, self.arguments_key))}"
+    def grammar(self, tools: list[dict], parallel: bool, special_token_id: Callable[[str], int | None], *,
+                answer: str | None = None) -> str:
+        """A Lark grammar (llguidance's) of one call, or one or more with parallel, in this format. answer: the
+        grammar of an answer without calls (FREE_TEXT or a %json), which text and then the calls may replace
+        (tool_choice auto); None: a call is forced."""
+        call = f"call: {lark_json(_call_schema(tools, self.arguments_key))}"
+        opening, calls = self._calls(parallel, special_token_id)
+        if answer is None:
+            return "\n".join([f"start: {opening}{calls}", call, WHITESPACE])
+        if answer != FREE_TEXT:  # text before calls would be a lexeme as long as the answer's JSON
+            start = f"start: answer | {opening}{calls}"
+        elif not opening:  # llama3_json: a call is the whole answer, free text never starts as JSON
+            start, answer = f"start: answer | {calls}", r"/(\s*[^{\s](.|\n)*)?/"
+        elif opening.startswith("<["):  # a special token, which text never holds
+            start = f"start: answer | TEXT {opening}{calls}"
+        else:  # text up to the first opening, which the calls must follow
+            start = f"start: answer | opened {calls}\nopened[lazy]: TEXT {opening}"
+        return "\n".join(["%llguidance {}", start, f"answer: {answer}", call, WHITESPACE, r"TEXT: /(.|\n)*/"])
+
+    def _calls(self, parallel: bool, special_token_id: Callable[[str], int | None]) -> tuple[str, str]:
+        """The opening as a grammar names it (a string, a special token or nothing), and the calls after it."""
         if self.name == "hermes":
-            block = r'"<tool_call>\n" call "\n</tool_call>"'
-            start = f"start: {block} (\"\\n\" {block})*" if parallel else f"start: {block}"
-        elif self.name == "llama3_json":
-            start = 'start: call ("; " call)*' if parallel else "start: call"
-        else:
-            opening = f"<[{token_id}]>" if (token_id := special_token_id(self.opening)) is not None \
-                else json.dumps(self.opening)
-            closing = ' "</tool_call>"' if self.name == "smollm2" else ""
-            more = ' (WS? "," WS? call)*' if parallel else ""
-            start = f'start: {opening} "[" WS? call{more} WS? "]"{closing}'
-        return "\n".join([start, call, WHITESPACE])
+            more = r' ("\n<tool_call>\n" call "\n</tool_call>")*' if parallel else ""
+            return json.dumps(self.opening), rf' "\n" call "\n</tool_call>"{more}'
+        if self.name == "llama3_json":
+            return "", 'call ("; " call)*' if parallel else "call"
+        opening = f"<[{token_id}]>" if (token_id := special_token_id(self.opening)) is not None \
+            else json.dumps(self.opening)
+        closing = ' "</tool_call>"' if self.name == "smollm2" else ""
+        more = ' (WS? "," WS? call)*' if parallel else ""
+        return opening, f' "[" WS? call{more} WS? "]"{closing}'
 
     def held_back(self, text: str) -> int:
         """Where text stops being plain content while it streams: at the opening, or at a suffix that may grow
@@ -111,6 +131,25 @@ def format_for(chat_template: str | None) -> ToolCallFormat | None:
     if "<|python_tag|>" in chat_template or "<|eom_id|>" in chat_template:
         return FORMATS["llama3_json"]
     return None
+
+
+def answer_grammar(constraint: StructuredOutputsParams | None) -> str | None:
+    """The Lark of an answer under this constraint, for a grammar that lets calls replace it (FREE_TEXT for none);
+    None for a constraint that cannot be written so (regex, choice, grammar)."""
+    if constraint is None:
+        return FREE_TEXT
+    match constraint.kind:
+        case "json":
+            return lark_json(constraint.json_schema, constraint.whitespace_flexible)
+        case "json_object":
+            return lark_json({"type": "object"}, constraint.whitespace_flexible)
+    return None
+
+
+def with_free_arguments_unless_strict(tools: list[dict]) -> list[dict]:
+    """The tools, those not strict taking any JSON object as arguments."""
+    return [tool if tool["function"].get("strict") else
+            {**tool, "function": {**tool["function"], "parameters": {"type": "object"}}} for tool in tools]
 
 
 def _is_call(call: Any, arguments_key: str, tool_names: set[str]) -> bool:

@@ -511,8 +511,7 @@ def test_completions_take_constraints_too():
 
 @pytest.mark.parametrize("fields, message", [
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
-     "only one kind of constraint per request: response_format, structured_outputs or a tool_choice that forces "
-     "a call"),
+     "only one kind of constraint per request: response_format or structured_outputs"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}},
      "exactly one kind of constraint (json, json_object, regex, choice or grammar) per request, got 2: regex, choice"),
     ({"structured_outputs": {}}, "exactly one kind of constraint"),

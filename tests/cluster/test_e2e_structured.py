@@ -112,6 +112,10 @@ def test_a_streamed_constrained_answer_joins_to_the_unstreamed_one(client):
     assert whole.finish_reason == chunks[-1].choices[0].finish_reason == "stop"
 
 
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
 def bfcl_tool_sets(count: int) -> list[list[dict]]:
     """BFCL's schemas ({"properties": {function name: its parameters}}, or anyOf several) as sets of OpenAI tools."""
     tool_sets = []
@@ -142,6 +146,28 @@ def test_forced_calls_over_bfcl_tools_have_arguments_that_validate(client):
             jsonschema.validate(json.loads(call.function.arguments), parameters[call.function.name])
             called += 1
     assert called >= 60, [answer.finish_reason for answer in answers]
+
+
+@pytest.mark.parametrize("response_format", [None, {"type": "json_schema", "json_schema": {
+    "name": "person", "schema": PERSON, "strict": True}}])
+def test_under_auto_strict_tools_and_a_json_answer_hold_in_one_grammar(client, response_format):
+    """SmolLM2 seldom calls a tool unforced: what this checks on the real vocabulary is that the answer stays free
+    (or holds to its schema) and that no malformed call is left as text; tests/cluster/test_tool_calls.py checks
+    that the grammar takes only well-formed calls."""
+    tool_sets = [[{**tool, "function": {**tool["function"], "strict": True}} for tool in tools]
+                 for tools in bfcl_tool_sets(20)]
+    extra = {"response_format": response_format} if response_format else {}
+    with ThreadPoolExecutor(20) as pool:
+        answers = list(pool.map(lambda tools: client.chat.completions.create(
+            **tool_request(tools, "auto", temperature=1.0, seed=5, **extra)).choices[0], tool_sets))
+    for tools, answer in zip(tool_sets, answers):
+        parameters = {tool["function"]["name"]: tool["function"]["parameters"] for tool in tools}
+        assert "<tool_call>" not in (answer.message.content or ""), answer
+        for call in answer.message.tool_calls or ():
+            jsonschema.validate(json.loads(call.function.arguments), parameters[call.function.name])
+        if response_format and answer.finish_reason == "stop":
+            jsonschema.validate(json.loads(answer.message.content), PERSON)
+    assert sum(answer.finish_reason == "stop" for answer in answers) >= 10, [answer.finish_reason for answer in answers]
 
 
 def test_streamed_call_deltas_join_to_the_unstreamed_arguments(client):
@@ -176,10 +202,6 @@ def test_a_tool_loop_continues_from_the_cached_conversation(client):
     assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
     assert raw_again.headers[REPLICA_HEADER] == raw.headers[REPLICA_HEADER]  # routed to the cached conversation
     assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens // 16 * 16 - 16
-
-
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
-          "required": ["name", "age"], "additionalProperties": False}
 
 
 def test_n_choices_each_hold_their_own_grammar(client):

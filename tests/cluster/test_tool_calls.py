@@ -6,11 +6,11 @@ import json
 import pytest
 
 from cluster.protocol import ChatFormat
-from cluster.tool_calls import FORMATS, ToolCallParser, format_for
+from cluster.tool_calls import FORMATS, FREE_TEXT, ToolCallParser, format_for
 from replica.executor.chat_templates import CHATML_TOOLS
 from replica.executor.tokenizer import Tokenizer
 from replica.structured_output import StructuredOutputsParams
-from replica.structured_output.backend import GuidanceBackend
+from replica.structured_output.backend import GuidanceBackend, lark_json
 from tests.executor.helpers import byte_tokenizer_backend
 
 from .fakes import FakeEngineClient
@@ -98,6 +98,51 @@ def test_the_forcing_grammar_takes_calls_in_the_native_format_only(backend, name
     grammar = FORMATS[name].grammar([WEATHER, TIME], parallel, lambda text: None)
     assert accepts(backend, grammar, good) and not accepts(backend, grammar, bad)
     assert FORMATS[name].parse(good, NAMES)[1]
+
+
+GOOD_WEATHER = '{"name": "get_weather", "arguments": {"city": "Rome"}}'
+BAD_WEATHER = '{"name": "get_weather", "arguments": {"town": "Rome"}}'
+
+
+@pytest.mark.parametrize("name, good, bad", [
+    ("smollm2", f"I will look.<tool_call>[{GOOD_WEATHER}]</tool_call>", f"I will look.<tool_call>[{BAD_WEATHER}]"),
+    ("hermes", f"I will look.\n<tool_call>\n{GOOD_WEATHER}\n</tool_call>",
+     f"I will look.\n<tool_call>\n{BAD_WEATHER}\n</tool_call>"),
+    ("llama3_json", GOOD_WEATHER.replace("arguments", "parameters"), "{\"It is sunny\"}"),
+    ("mistral", f"[TOOL_CALLS][{GOOD_WEATHER}]", f"Let me see. [TOOL_CALLS][{BAD_WEATHER}]"),
+])
+def test_the_grammar_of_text_or_calls_takes_any_text_and_well_formed_calls_only(backend, name, good, bad):
+    grammar = FORMATS[name].grammar([WEATHER, TIME], False, lambda text: None, answer=FREE_TEXT)
+    assert accepts(backend, grammar, good) and not accepts(backend, grammar, bad)
+    assert all(accepts(backend, grammar, text) for text in ("", "It is sunny in Rome.", "A <tool_ca or [TOOL_C"))
+    assert FORMATS[name].parse(good, NAMES)[1]
+
+
+def test_call_arguments_take_bounded_whitespace(backend):
+    grammar = FORMATS["hermes"].grammar([TIME], False, lambda text: None)
+    call = '<tool_call>\n{"name":%s"get_time", "arguments": {}}\n</tool_call>'
+    assert accepts(backend, grammar, call % (" " * 20)) and not accepts(backend, grammar, call % (" " * 21))
+
+
+@pytest.mark.parametrize("name, call", [
+    ("smollm2", f"<tool_call>[{GOOD_WEATHER}]</tool_call>"), ("hermes", f"<tool_call>\n{GOOD_WEATHER}\n</tool_call>"),
+    ("llama3_json", GOOD_WEATHER.replace("arguments", "parameters")), ("mistral", f"[TOOL_CALLS][{GOOD_WEATHER}]"),
+])
+def test_a_json_answer_or_calls_instead(backend, name, call):
+    answer = lark_json({"type": "object", "properties": {"town": {"type": "string"}}, "required": ["town"]})
+    grammar = FORMATS[name].grammar([WEATHER], False, lambda text: None, answer=answer)
+    assert accepts(backend, grammar, '{"town": "Rome"}') and accepts(backend, grammar, call)
+    assert not any(accepts(backend, grammar, text) for text in ("Rome", '{"city": "Rome"}', f"Well. {call}"))
+
+
+def test_text_or_calls_behind_a_special_token(backend):
+    grammar = FORMATS["mistral"].grammar([TIME], False, {"[TOOL_CALLS]": 256}.get, answer=FREE_TEXT)
+    compiled = backend.compile(StructuredOutputsParams(grammar=grammar))
+    text, call, bad = (byte_tokenizer_backend().encode(part).ids for part in (
+        "Let me see.", '[{"name": "get_time", "arguments": {}}]', '[{"name": "get_date", "arguments": {}}]'))
+    assert compiled.validate([*text, 257]) == len(text) + 1
+    assert compiled.validate([*text, 256, *call, 257]) == len(text) + len(call) + 2
+    assert compiled.validate([*text, 256, *bad]) < len(text) + 1 + len(bad)
 
 
 def test_a_special_token_opening_is_named_by_id(backend):
@@ -188,6 +233,25 @@ def test_forced_calls_reach_the_engine_as_a_grammar_and_tools_share_a_prefix():
     assert auto is None
     hashes = [sent.block_hashes for sent in engine.requests]
     assert hashes[0] == hashes[1] == hashes[2] and len(hashes[0]) > 2  # the same tools: the same prompt blocks
+
+
+def test_under_auto_strict_tools_and_a_json_answer_reach_the_engine_as_one_grammar():
+    engine = FakeEngineClient()
+    strict_weather = {**WEATHER, "function": {**WEATHER["function"], "strict": True}}
+    city = {"type": "object", "properties": {"city": {"type": "string"}}}
+    for fields in ({"tools": [strict_weather, TIME]},
+                   {"tools": [WEATHER, TIME], "response_format": {"type": "json_schema", "json_schema": {
+                       "name": "city", "schema": city}}},
+                   {"tools": [strict_weather], "structured_outputs": {"regex": "[a-z]+"}}):
+        assert chat(engine, **fields).status_code == 200
+    strict, json_answer, regex = (sent.params.structured_outputs for sent in engine.requests)
+    free_weather, free_time = ({**tool, "function": {**tool["function"], "parameters": {"type": "object"}}}
+                               for tool in (WEATHER, TIME))
+    assert strict.grammar == FORMATS["smollm2"].grammar([strict_weather, free_time], True, lambda text: None,
+                                                        answer=FREE_TEXT)
+    assert json_answer.grammar == FORMATS["smollm2"].grammar([free_weather, free_time], True, lambda text: None,
+                                                             answer=lark_json(city))
+    assert regex == StructuredOutputsParams(regex="[a-z]+")  # no calls under a constraint a grammar cannot hold
 
 
 def test_tool_messages_reach_the_template_and_bad_arguments_are_a_400():
