@@ -9,6 +9,7 @@ from typing import Any, ClassVar, Literal
 
 import pydantic
 
+from cluster.reasoning import Reasoning, ReasoningStream
 from cluster.tool_calls import ToolCallParser
 from replica.request import SamplingParams
 from replica.structured_output import StructuredOutputsParams
@@ -403,28 +404,46 @@ class CompletionFormat(ResponseFormat):
 class ChatFormat(ResponseFormat):
     """tool_calls: how to find the calls of the request's tools in the model's text, when it may call them.
     Streamed, text that may begin a call is held back until it is known not to; each call then goes out as a
-    delta with its index, id, type and name, and one with its whole arguments (equal to the unstreamed ones)."""
+    delta with its index, id, type and name, and one with its whole arguments (equal to the unstreamed ones).
+    reasoning: for a reasoning model, its thinking goes to reasoning_content and only what follows is parsed."""
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, response_id: str, model: str, tool_calls: ToolCallParser | None = None):
+    def __init__(self, response_id: str, model: str, tool_calls: ToolCallParser | None = None,
+                 reasoning: Reasoning | None = None):
         super().__init__(response_id, model)
         self._tool_calls = tool_calls
+        self._reasoning = reasoning
+        self._thinking: ReasoningStream | None = None  # made at the first chunk: each choice's copy has its own
         self._streamed_text = ""
         self._num_content_chars_sent = 0
 
     def choice(self, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
+        thinking, text = self._reasoning.split(text) if self._reasoning is not None else (None, text)
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if self._tool_calls is not None and (parsed := self._tool_calls.parse(text))[1]:
             content, calls = parsed
             message = {"role": "assistant", "content": content or None,
                        "tool_calls": [call.as_openai() for call in calls]}
             finish_reason = _with_calls(finish_reason)
+        if self._reasoning is not None:
+            message["reasoning_content"] = thinking
         return {"index": self.index, "message": message, "logprobs": _chat_logprobs(logprobs),
                 "finish_reason": finish_reason}
 
     def chunk(self, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None = None) -> str:
         """"" when everything new is held back."""
+        if self._reasoning is None:
+            return self._answer_chunk(text, finish_reason, logprobs)
+        if self._thinking is None:
+            self._thinking = self._reasoning.stream()
+        thinking, text = self._thinking.feed(text, finish_reason is not None)
+        thought = self._delta({"reasoning_content": thinking}) if thinking else ""
+        if not (text or finish_reason or logprobs):
+            return thought
+        return thought + self._answer_chunk(text, finish_reason, logprobs)
+
+    def _answer_chunk(self, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None) -> str:
         if self._tool_calls is None:
             return super().chunk(text, finish_reason, logprobs)
         self._streamed_text += text

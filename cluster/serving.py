@@ -26,6 +26,7 @@ from cluster.migration import MigratingEngineClient
 from cluster.protocol import (REPLICA_HEADER, SSE_DONE, APIError, ChatCompletionRequest, ChatFormat,
                               CompletionFormat, CompletionRequest, ResponseFormat, TokenLogprob, describe, sse,
                               usage)
+from cluster.reasoning import Reasoning, reasoning_for
 from cluster.tool_calls import (FREE_TEXT, ToolCallParser, answer_grammar, format_for,
                                  with_free_arguments_unless_strict)
 from replica.async_engine import EngineOutput, EngineRequest, ModelInfo
@@ -45,11 +46,13 @@ PREPARE_THREADS = 4
 # tokenize), 32 token ids about 70 us, where the handoff to a thread costs about 120 us of its own.
 INLINE_PREPARE_BYTES = 512
 CONSTRAINT_CHECK_TIMEOUT_S = 10.0
+PROMPT_TAIL_TOKENS = 8  # enough to see whether a chat template ended the prompt inside the model's thinking
 
 
 class Tokenizer(Protocol):
     backend: tokenizers.Tokenizer
     eos_token_id: int | None
+    chat_template: str | None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
@@ -178,8 +181,11 @@ class OpenAIServing:
         except ValueError as exc:  # the template refused the conversation
             raise APIError(str(exc), param="messages") from None
         parser, tool_constraint = self._tool_calls(body)
-        response_format = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", self.model.name, parser)
-        return self._prepare(body, prompt_token_ids, response_format, tool_constraint=tool_constraint)
+        reasoning = reasoning_for(self.tokenizer.chat_template, self.tokenizer.decode(
+            prompt_token_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False))
+        response_format = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", self.model.name, parser, reasoning)
+        return self._prepare(body, prompt_token_ids, response_format, tool_constraint=tool_constraint,
+                             reasoning=reasoning)
 
     def _tool_calls(self, body: ChatCompletionRequest) -> tuple[ToolCallParser | None, StructuredOutputsParams | None]:
         """How to find the calls in the answer, and the grammar of its calls: one forced (tool_choice required or
@@ -211,8 +217,12 @@ class OpenAIServing:
 
     def _prepare(self, body: CompletionRequest | ChatCompletionRequest, prompt_token_ids: list[int],
                  response_format: ResponseFormat, *, default_max_tokens: int | None = None,
-                 tool_constraint: StructuredOutputsParams | None = None) -> _Prepared:
+                 tool_constraint: StructuredOutputsParams | None = None, reasoning: Reasoning | None = None
+                 ) -> _Prepared:
         params = self._sampling_params(body, len(prompt_token_ids), default_max_tokens, tool_constraint)
+        if reasoning is not None and params.structured_outputs is not None:  # the thinking stays free
+            params = params.model_copy(update={"structured_outputs": params.structured_outputs.model_copy(
+                update={"reasoning": reasoning.gate(self.tokenizer.special_token_id)})})
         request = EngineRequest(
             request_id=response_format.response_id, prompt_token_ids=prompt_token_ids,
             block_hashes=hash_token_blocks(prompt_token_ids, self.model.block_size, cache_salt=body.cache_salt,

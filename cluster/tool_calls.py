@@ -97,10 +97,7 @@ class ToolCallFormat:
             return 0 if text.lstrip().startswith(("{", "<|python_tag|>")) or not text.strip() else len(text)
         if (start := text.find(self.opening)) >= 0:
             return start
-        for length in range(min(len(self.opening) - 1, len(text)), 0, -1):
-            if self.opening.startswith(text[-length:]):
-                return len(text) - length
-        return len(text)
+        return len(text) - partial_suffix(text, self.opening)
 
 
 FORMATS = {name: ToolCallFormat(name, opening, key, id_length) for name, opening, key, id_length in [
@@ -131,6 +128,12 @@ def format_for(chat_template: str | None) -> ToolCallFormat | None:
     if "<|python_tag|>" in chat_template or "<|eom_id|>" in chat_template:
         return FORMATS["llama3_json"]
     return None
+
+
+def partial_suffix(text: str, tag: str) -> int:
+    """The length of the longest end of text that begins tag (and is shorter than it)."""
+    return next((length for length in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-length:])),
+                0)
 
 
 def answer_grammar(constraint: StructuredOutputsParams | None) -> str | None:

@@ -1,4 +1,4 @@
 """Structured outputs: constrained decoding with a token bitmask (JSON schema, regex, choice, grammar)."""
-from replica.structured_output.params import Kind, StructuredOutputsParams
+from replica.structured_output.params import Kind, ReasoningGate, StructuredOutputsParams
 
-__all__ = ["Kind", "StructuredOutputsParams"]
+__all__ = ["Kind", "ReasoningGate", "StructuredOutputsParams"]

@@ -8,7 +8,7 @@ import llguidance
 import numpy as np
 import tokenizers
 
-from replica.structured_output.params import StructuredOutputsParams
+from replica.structured_output.params import ReasoningGate, StructuredOutputsParams
 
 # At most this many whitespace characters between two JSON tokens: enough for pretty-printed JSON several
 # levels deep, too few for a model to run to max_tokens on blanks.
@@ -113,6 +113,33 @@ def lark_json(schema: dict, whitespace_flexible: bool = True) -> str:
 
 def grammar_text(params: StructuredOutputsParams) -> str:
     """params as an llguidance grammar; ValueError for what cannot even be converted."""
+    answer = _answer_text(params)
+    return answer if params.reasoning is None else _after_reasoning(answer, params.reasoning)
+
+
+def _after_reasoning(answer: str, gate: ReasoningGate) -> str:
+    """Any text up to the reasoning's closing tag (from its opening, if the output may start outside it, or
+    without reasoning at all), a few blanks, then answer."""
+    grammars = json.loads(answer)["grammars"] if answer.startswith("{") else [{"lark_grammar": answer}]
+    name = grammars[0].setdefault("name", "answer")
+    if _is_special(gate.closing):  # text never holds a special token
+        reasoning, rules = f"TEXT {gate.closing}", []
+    else:  # text up to the first closing tag
+        reasoning, rules = "reasoning", [f"reasoning[lazy]: TEXT {gate.closing}"]
+    if gate.opening is not None and _is_special(gate.opening):
+        reasoning = f"({gate.opening} {reasoning})?"
+    elif gate.opening is not None:  # taken as soon as it is seen, or the answer's own lexemes would go on
+        reasoning, rules = f"(opening {reasoning})?", [*rules, f"opening[lazy]: {gate.opening}"]
+    lark = "\n".join(["%llguidance {}", f"start: {reasoning} GAP? @{name}", *rules, r"GAP: /[ \t\n]{1,4}/",
+                      r"TEXT: /(.|\n)*/"])
+    return json.dumps({"grammars": [{"lark_grammar": lark}, *grammars]})
+
+
+def _is_special(terminal: str) -> bool:
+    return terminal.startswith("<[")
+
+
+def _answer_text(params: StructuredOutputsParams) -> str:
     whitespace = _FLEXIBLE_WHITESPACE if params.whitespace_flexible else _COMPACT_WHITESPACE
     match params.kind:
         case "json":

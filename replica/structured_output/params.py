@@ -8,6 +8,17 @@ import pydantic
 Kind = Literal["json", "json_object", "regex", "choice", "grammar"]
 
 
+class ReasoningGate(pydantic.BaseModel):
+    """The model reasons before it answers, and the constraint holds only from the end of its reasoning on. Each
+    tag is a Lark terminal: a string ('"</think>"') or a special token by id ('<[151668]>'). opening None: the
+    output starts inside the reasoning (the prompt opened it); else the output may start with it."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+
+    closing: str
+    opening: str | None = None
+
+
 class StructuredOutputsParams(pydantic.BaseModel):
     """Exactly one kind of constraint. json_schema is a JSON Schema; json_object asks for any JSON object;
     choice for exactly one of its strings. whitespace_flexible: JSON may put (bounded) whitespace between
@@ -21,6 +32,7 @@ class StructuredOutputsParams(pydantic.BaseModel):
     choice: list[str] | None = None
     grammar: str | None = None
     whitespace_flexible: bool = True
+    reasoning: ReasoningGate | None = None
 
     @pydantic.model_validator(mode="after")
     def _one_kind(self) -> "StructuredOutputsParams":
@@ -45,9 +57,10 @@ class StructuredOutputsParams(pydantic.BaseModel):
     def kind(self) -> Kind:
         return self._kinds_set()[0]
 
-    def key(self) -> tuple[str, str, bool]:
-        """The compiled grammar's identity: kind, the canonical text of its spec, and the whitespace rule."""
+    def key(self) -> tuple[str, str, bool, ReasoningGate | None]:
+        """The compiled grammar's identity: kind, the canonical text of its spec, the whitespace rule and the
+        reasoning before it."""
         spec = {"json": self.json_schema, "json_object": True, "regex": self.regex, "choice": self.choice,
                 "grammar": self.grammar}[self.kind]
         text = spec if isinstance(spec, str) else json.dumps(spec, sort_keys=True, separators=(",", ":"))
-        return self.kind, text, self.whitespace_flexible
+        return self.kind, text, self.whitespace_flexible, self.reasoning

@@ -25,6 +25,7 @@ class FakeTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(char) % VOCAB_SIZE for char in text]
 
+    chat_template = None  # no model that reasons
     tools_template = CHATML_TOOLS  # tool calls in the smollm2 format
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:

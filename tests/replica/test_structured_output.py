@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from replica.request import Request, RequestStatus, SamplingParams
-from replica.structured_output import StructuredOutputsParams
+from replica.structured_output import ReasoningGate, StructuredOutputsParams
 from replica.structured_output.backend import GrammarError, GuidanceBackend
 from replica.structured_output.manager import StructuredOutputManager
 from tests.executor.helpers import byte_tokenizer_backend
@@ -59,8 +59,10 @@ def settled(request):
 
 
 def test_params_take_exactly_one_kind():
-    assert StructuredOutputsParams(choice=["a"]).key() == ("choice", '["a"]', True)
-    assert StructuredOutputsParams(json_schema={"b": 1, "a": 2}).key() == ("json", '{"a":2,"b":1}', True)
+    assert StructuredOutputsParams(choice=["a"]).key() == ("choice", '["a"]', True, None)
+    assert StructuredOutputsParams(json_schema={"b": 1, "a": 2}).key() == ("json", '{"a":2,"b":1}', True, None)
+    gate = ReasoningGate(closing='"</think>"')
+    assert StructuredOutputsParams(choice=["a"], reasoning=gate).key() == ("choice", '["a"]', True, gate)
     with pytest.raises(ValueError, match="got 2: regex, grammar"):
         StructuredOutputsParams(regex="a", grammar="start: /a/")
     with pytest.raises(ValueError, match="got 0"):
