@@ -35,7 +35,7 @@ if sys.argv[1] == "gguf":
     gguf_file.read_gguf = read
     import replica.executor.gguf_loader as loader
     loader.read_gguf = read
-    loader._dequantize = lambda tensor: gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    loader.dequantize = lambda tensor: gguf.quants.dequantize(tensor.data, tensor.tensor_type)
 from replica.engine import LLM
 start = time.perf_counter()
 LLM(dtype="float32")

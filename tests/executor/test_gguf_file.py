@@ -1,11 +1,12 @@
 """read_gguf against gguf's own GGUFReader: the same metadata and the same tensor views, for a file holding every
-kind of field and several tensor types, and for the default model."""
+kind of field and several tensor types, and for the default model; and dequantize against gguf.quants."""
 import gguf
 import numpy as np
 import pytest
 
 from replica.executor.checkpoint import default_model_path
 from replica.executor.gguf_file import read_gguf
+from replica.executor.gguf_loader import dequantize
 
 
 def assert_read_as_gguf_reads(path: str) -> None:
@@ -41,11 +42,16 @@ def test_every_kind_of_field_and_several_tensor_types(tmp_path):
     writer.close()
     assert_read_as_gguf_reads(path)
     assert read_gguf(path).metadata["a.strs"] == ["", "tokens", "Ġé"]
+    for tensor in read_gguf(path).tensors:  # Q4_1 and Q8_0 in torch, the others by gguf
+        expected = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        assert dequantize(tensor).dtype == expected.dtype and np.array_equal(dequantize(tensor), expected)
 
 
 @pytest.mark.slow
-def test_the_default_model_reads_as_gguf_reads_it():
+def test_the_default_model_reads_and_dequantizes_as_gguf_does():
     assert_read_as_gguf_reads(str(default_model_path()))
+    for tensor in read_gguf(str(default_model_path())).tensors:
+        assert np.array_equal(dequantize(tensor), gguf.quants.dequantize(tensor.data, tensor.tensor_type))
 
 
 def test_a_file_that_is_not_gguf_is_refused(tmp_path):
