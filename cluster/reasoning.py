@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from cluster.tool_calls import partial_suffix
 from replica.structured_output import ReasoningGate
+from replica.structured_output.backend import lark_terminal
 
 OPENING, CLOSING = "<think>", "</think>"
 
@@ -16,10 +17,8 @@ class Reasoning:
     starts_inside: bool
 
     def gate(self, special_token_id: Callable[[str], int | None]) -> ReasoningGate:
-        def terminal(tag: str) -> str:
-            token_id = special_token_id(tag)
-            return f'"{tag}"' if token_id is None else f"<[{token_id}]>"
-        return ReasoningGate(closing=terminal(CLOSING), opening=None if self.starts_inside else terminal(OPENING))
+        return ReasoningGate(closing=lark_terminal(CLOSING, special_token_id),
+                             opening=None if self.starts_inside else lark_terminal(OPENING, special_token_id))
 
     def split(self, text: str) -> tuple[str | None, str]:
         """(the thinking, None if there is none; the answer after it, from its first non-blank character)."""

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from replica.structured_output import StructuredOutputsParams
-from replica.structured_output.backend import lark_json
+from replica.structured_output.backend import is_special_terminal, lark_json, lark_terminal
 
 WHITESPACE = r'WS: /[ \t\n]{1,8}/'
 FREE_TEXT = "TEXT"  # an answer of any text
@@ -71,7 +71,7 @@ class ToolCallFormat:
             start = f"start: answer | {opening}{calls}"
         elif not opening:  # llama3_json: a call is the whole answer, free text never starts as JSON
             start, answer = f"start: answer | {calls}", r"/(\s*[^{\s](.|\n)*)?/"
-        elif opening.startswith("<["):  # a special token, which text never holds
+        elif is_special_terminal(opening):  # text never holds a special token
             start = f"start: answer | TEXT {opening}{calls}"
         else:  # text up to the first opening, which the calls must follow
             start = f"start: answer | opened {calls}\nopened[lazy]: TEXT {opening}"
@@ -84,8 +84,7 @@ class ToolCallFormat:
             return json.dumps(self.opening), rf' "\n" call "\n</tool_call>"{more}'
         if self.name == "llama3_json":
             return "", 'call ("; " call)*' if parallel else "call"
-        opening = f"<[{token_id}]>" if (token_id := special_token_id(self.opening)) is not None \
-            else json.dumps(self.opening)
+        opening = lark_terminal(self.opening, special_token_id)
         closing = ' "</tool_call>"' if self.name == "smollm2" else ""
         more = ' (WS? "," WS? call)*' if parallel else ""
         return opening, f' "[" WS? call{more} WS? "]"{closing}'

@@ -3,6 +3,7 @@ compiles; ../shared/notes/structured-outputs.md). A Grammar is one request's mat
 import json
 import os
 import threading
+from collections.abc import Callable
 
 import llguidance
 import numpy as np
@@ -111,6 +112,16 @@ def lark_json(schema: dict, whitespace_flexible: bool = True) -> str:
     return f"%json {json.dumps({**schema, 'x-guidance': whitespace})}"
 
 
+def lark_terminal(text: str, special_token_id: Callable[[str], int | None]) -> str:
+    """text as a Lark grammar names it: the special token by id if it is one (text never holds one), else a string."""
+    token_id = special_token_id(text)
+    return json.dumps(text) if token_id is None else f"<[{token_id}]>"
+
+
+def is_special_terminal(terminal: str) -> bool:
+    return terminal.startswith("<[")
+
+
 def grammar_text(params: StructuredOutputsParams) -> str:
     """params as an llguidance grammar; ValueError for what cannot even be converted."""
     answer = _answer_text(params)
@@ -122,21 +133,17 @@ def _after_reasoning(answer: str, gate: ReasoningGate) -> str:
     without reasoning at all), a few blanks, then answer."""
     grammars = json.loads(answer)["grammars"] if answer.startswith("{") else [{"lark_grammar": answer}]
     name = grammars[0].setdefault("name", "answer")
-    if _is_special(gate.closing):  # text never holds a special token
+    if is_special_terminal(gate.closing):  # text never holds a special token
         reasoning, rules = f"TEXT {gate.closing}", []
     else:  # text up to the first closing tag
         reasoning, rules = "reasoning", [f"reasoning[lazy]: TEXT {gate.closing}"]
-    if gate.opening is not None and _is_special(gate.opening):
+    if gate.opening is not None and is_special_terminal(gate.opening):
         reasoning = f"({gate.opening} {reasoning})?"
     elif gate.opening is not None:  # taken as soon as it is seen, or the answer's own lexemes would go on
         reasoning, rules = f"(opening {reasoning})?", [*rules, f"opening[lazy]: {gate.opening}"]
     lark = "\n".join(["%llguidance {}", f"start: {reasoning} GAP? @{name}", *rules, r"GAP: /[ \t\n]{1,4}/",
                       r"TEXT: /(.|\n)*/"])
     return json.dumps({"grammars": [{"lark_grammar": lark}, *grammars]})
-
-
-def _is_special(terminal: str) -> bool:
-    return terminal.startswith("<[")
 
 
 def _answer_text(params: StructuredOutputsParams) -> str:
