@@ -99,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="KV cache size in GiB, per replica (default: %(default)s)")
     cache.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
     cache.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    cache.add_argument("--kv-host-pool-gib", type=float, default=0.0,
+                       help="the node's second KV tier, shared by its engine replicas, in GiB: blocks are written "
+                            "through to it and a replica loads the prefix it holds instead of computing it "
+                            "(default: %(default)s, off)")
+    cache.add_argument("--kv-host-pool-path",
+                       help="the pool's file, kept on exit (default: a file of this run's in /dev/shm, removed on exit)")
 
     scheduler = serve.add_argument_group("scheduler")
     scheduler.add_argument("--max-num-seqs", type=int, default=256,
@@ -134,7 +140,8 @@ def config_from_args(args: argparse.Namespace):
         "tensor_parallel_size": args.tensor_parallel_size,
         "num_speculative_tokens": args.num_speculative_tokens, "ngram_min": args.ngram_min, "ngram_max": args.ngram_max,
         "cache": {"block_size": args.block_size, "num_kv_blocks": args.num_kv_blocks,
-                  "kv_cache_memory_gib": args.kv_cache_gib, "enable_prefix_caching": not args.no_prefix_caching},
+                  "kv_cache_memory_gib": args.kv_cache_gib, "enable_prefix_caching": not args.no_prefix_caching,
+                  "host_pool_gib": args.kv_host_pool_gib, "host_pool_path": args.kv_host_pool_path},
         "scheduler": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                       "long_prefill_token_threshold": args.long_prefill_token_threshold,
                       "policy": args.queue_policy, "async_scheduling": args.async_scheduling},
@@ -170,10 +177,25 @@ def _within(replicas: int, bounds: list[int]) -> int:
 
 
 def serve_until_interrupted(config, *, address: str | None, host: str, port: int) -> None:
-    if address is None:
-        _serve_on_a_local_cluster(config, host, port)
-    else:
-        _serve_on_a_joined_cluster(config, address, host, port)
+    pool_path = _own_host_pool(config)
+    try:
+        if address is None:
+            _serve_on_a_local_cluster(config, host, port)
+        else:
+            _serve_on_a_joined_cluster(config, address, host, port)
+    finally:
+        if pool_path is not None and os.path.exists(pool_path):
+            os.unlink(pool_path)
+
+
+def _own_host_pool(config) -> str | None:
+    """A KV pool with no path given gets a file of this run's (on each node), removed from this node on exit;
+    the path, if so."""
+    cache = config.engine.cache
+    if not cache.host_pool_gib or cache.host_pool_path is not None:
+        return None
+    cache.host_pool_path = f"/dev/shm/prefixserve-kv-{os.getpid()}"
+    return cache.host_pool_path
 
 
 def _serve_on_a_local_cluster(config, host: str, port: int) -> None:

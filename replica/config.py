@@ -18,6 +18,10 @@ class CacheConfig(pydantic.BaseModel):
     enable_prefix_caching: bool = True
     watermark: float = pydantic.Field(0.01, ge=0, lt=1)  # fraction of blocks admissions leave free
     hash_seed: int = 0
+    # The node's second KV tier, shared by its engines: blocks the cache takes in are written through to it, and
+    # a request loads the part of its prefix it holds instead of computing it. 0 turns it off.
+    host_pool_gib: float = pydantic.Field(0.0, ge=0)
+    host_pool_path: str | None = None  # None: a file per model in /dev/shm
 
 
 class EngineConfig(pydantic.BaseModel):

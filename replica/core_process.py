@@ -23,6 +23,7 @@ from replica.async_engine import (Core, EngineDeadError, EngineFrontend, EngineO
                                   add_request, run_hook)
 from replica.config import EngineConfig
 from replica.kv_cache import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
+from replica.kv_cache.events import Medium
 from replica.scheduler import SchedulerStats
 
 logger = logging.getLogger("ray.serve.prefixserve.engine")
@@ -48,27 +49,38 @@ class CoreView:
 
     def __init__(self) -> None:
         self._events: list[KVEvent] = []
-        self._cached: dict[BlockHash, None] = {}
+        self._cached: dict[Medium, dict[BlockHash, None]] = {"device": {}, "host": {}}
         self._stats: SchedulerStats | None = None
+        self._report_host: BlockStored | None = None  # the node pool's blocks, for the next take_kv_events
+        self._block_size = 0
 
     def apply(self, step: Step) -> None:
         self._events += step.kv_events
         self._stats = step.stats
         for event in step.kv_events:
+            cached = self._cached[event.medium]
             if isinstance(event, BlockStored):
-                self._cached.update(dict.fromkeys(event.block_hashes))
+                cached.update(dict.fromkeys(event.block_hashes))
+                self._block_size = event.block_size
             elif isinstance(event, BlockRemoved):
                 for block_hash in event.block_hashes:
-                    self._cached.pop(block_hash, None)
+                    cached.pop(block_hash, None)
             elif isinstance(event, AllBlocksCleared):
-                self._cached.clear()
+                cached.clear()
 
     def take_kv_events(self) -> list[KVEvent]:
         events, self._events = self._events, []
+        if self._report_host is not None:  # it covers the host events so far
+            events = [event for event in events if event.medium == "device"]
+            events += [AllBlocksCleared("host"), self._report_host]
+            self._report_host = None
         return events
 
     def cached_block_hashes(self) -> list[BlockHash]:
-        return list(self._cached)
+        """The device's cached blocks; the next take_kv_events reports every block of the node's pool, if any."""
+        if self._cached["host"]:
+            self._report_host = BlockStored(list(self._cached["host"]), None, [], self._block_size, "host")
+        return list(self._cached["device"])
 
     def stats(self) -> SchedulerStats | None:
         """The last step's; None before the first."""

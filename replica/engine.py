@@ -21,6 +21,7 @@ from replica.executor.parallel import check_divisible
 from replica.executor.worker import Executor, RunnerSpec, build_runner
 from replica.async_engine import EngineOutput, ModelInfo
 from replica.kv_cache import BlockHash, KVCacheManager, KVEvent
+from replica.kv_cache.host_pool import HostPool, HostPoolSpec, HostPoolWatcher, default_pool_path
 from replica.request import Request, RequestStatus, SamplingParams
 from replica.config import CacheConfig, EngineConfig  # noqa: F401 (re-exported: replica.engine names them)
 from replica.scheduler import ModelRunnerOutput, RequestOutput, Scheduler, SchedulerOutput, SchedulerStats
@@ -88,9 +89,13 @@ class EngineCore:
         if num_blocks < 2:
             raise ValueError(f"kv_cache_memory_gib={cache.kv_cache_memory_gib} holds no KV block")
         self.max_model_len = self._max_model_len(num_blocks)
+        host_pool = self._host_pool_spec(dtype)
+        pool = HostPool(host_pool) if host_pool is not None else None
+        self._host_pool_watcher = HostPoolWatcher(pool, cache.block_size) if pool is not None else None
         self.kv_cache_manager = KVCacheManager(
             num_blocks, cache.block_size, enable_caching=cache.enable_prefix_caching,
-            watermark=cache.watermark, max_model_len=self.max_model_len, hash_seed=cache.hash_seed)
+            watermark=cache.watermark, max_model_len=self.max_model_len, hash_seed=cache.hash_seed,
+            host_pool=pool)
         async_scheduling = config.scheduler.async_scheduling
         if async_scheduling is None:  # n-gram drafts need the previous step's tokens: synchronous, as in vLLM
             async_scheduling = device.type == "cuda" and not config.num_speculative_tokens
@@ -106,7 +111,7 @@ class EngineCore:
         spec = RunnerSpec(config.model, dtype, device, backend, cache.block_size, num_blocks,
                           cuda_graphs=not config.enforce_eager,
                           max_num_seqs=config.scheduler.max_num_seqs,
-                          max_blocks_per_seq=-(-self.max_model_len // cache.block_size))
+                          max_blocks_per_seq=-(-self.max_model_len // cache.block_size), host_pool=host_pool)
         self.runner: ModelRunner | Executor = build_runner(spec) if tp_size == 1 else make_executor(spec, tp_size)
         logger.info("%s on %s x %d: %s, %s kernels", self.model_name, device, tp_size,
                     str(dtype).removeprefix("torch."), backend)
@@ -118,6 +123,18 @@ class EngineCore:
                     num_blocks * block_bytes(checkpoint.config, cache.block_size, dtype, tp_size) / 2**30,
                     num_blocks, cache.block_size, "num_kv_blocks" if cache.num_kv_blocks else
                     f"{cache.kv_cache_memory_gib} GiB", self.max_model_len)
+
+    def _host_pool_spec(self, dtype: torch.dtype) -> HostPoolSpec | None:
+        cache, model = self.config.cache, self.model_config
+        if not cache.host_pool_gib or not cache.enable_prefix_caching:
+            return None
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError("a host KV pool (host_pool_gib) needs tensor_parallel_size=1")
+        slot_bytes = block_bytes(model, cache.block_size, dtype)
+        layout = (f"{self.model_name}|{str(dtype).removeprefix('torch.')}|{cache.block_size}x{model.num_kv_heads}"
+                  f"x{model.head_dim}x{model.num_layers}|seed {cache.hash_seed}")
+        return HostPoolSpec(cache.host_pool_path or default_pool_path(layout),
+                            int(cache.host_pool_gib * 2**30) // slot_bytes, slot_bytes, layout)
 
     def _max_model_len(self, num_blocks: int) -> int:
         context_len = self.model_config.max_position
@@ -252,9 +269,16 @@ class EngineCore:
         self.scheduler.expire_pins()
 
     def take_kv_events(self) -> list[KVEvent]:
-        return self.kv_cache_manager.take_events()
+        """The device cache's events since the last call, then the node pool's changes (medium "host")."""
+        events = self.kv_cache_manager.take_events()
+        if self._host_pool_watcher is not None:
+            events += self._host_pool_watcher.take_events()
+        return events
 
     def cached_block_hashes(self) -> list[BlockHash]:
+        """The device's cached blocks; the next take_kv_events reports every block of the node's pool, if any."""
+        if self._host_pool_watcher is not None:
+            self._host_pool_watcher.report_all()
         return self.kv_cache_manager.cached_block_hashes()
 
     def stats(self) -> SchedulerStats:

@@ -128,6 +128,7 @@ class Request:
         self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # set on first schedule
         self.num_preemptions = 0
+        self.loaded_from_host = False  # it waited for a load from the node's pool since it last ran: not again
         self.block_hashes: list[bytes] = list(block_hashes)  # chained hashes of its full blocks (kept current)
         self.stop_reason: int | str | None = None
         self.structured_output = structured_output

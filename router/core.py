@@ -135,7 +135,7 @@ class _Replica:
         pending = min(stats.num_prefill_tokens_pending + self.uncovered_tokens, self.booked_tokens)
         return Candidate(replica_id, matched_blocks, num_requests, pending,
                          stats.num_free_blocks - self.uncovered_blocks, self.preemptions.count(now), num_cached_blocks,
-                         session_tokens, self.booked_context_tokens)
+                         session_tokens, self.booked_context_tokens, load_token_cost=stats.host_load_token_cost)
 
 
 class Router:
@@ -173,7 +173,7 @@ class Router:
             decision = RoutingDecision(route_to, matched.get(route_to, 0), "directed")
         else:
             decision = self._policy.choose(request, [
-                self._candidate(replica_id, matched.get(replica_id, 0), now) for replica_id in candidates])
+                self._candidate(replica_id, block_hashes, matched.get(replica_id, 0), now) for replica_id in candidates])
         self._book(request_id, decision, request, block_hashes, now, session_id)
         self._decisions[decision.outcome] += 1
         return decision
@@ -219,7 +219,8 @@ class Router:
 
     def replica_states(self) -> list[ReplicaState]:
         """What each reporting replica last told: enough for another Router to resync every one of them."""
-        return [ReplicaState(replica_id, replica.last_seq, self.index.stored_hashes(replica_id), replica.snapshot.stats)
+        return [ReplicaState(replica_id, replica.last_seq, self.index.stored_hashes(replica_id), replica.snapshot.stats,
+                             self.index.stored_hashes(replica_id, "host"))
                 for replica_id, replica in self._replicas.items() if replica.snapshot is not None]
 
     def release(self, request_id: str) -> None:
@@ -246,12 +247,15 @@ class Router:
         return True
 
     def resync(self, replica_id: str, seq: int, block_hashes: list[BlockHash], stats: SchedulerStats,
-               finished: list[FinishedRequest]) -> None:
-        """Replace a replica's cached blocks with a full list; its next batch is expected as seq + 1."""
+               finished: list[FinishedRequest], host_block_hashes: list[BlockHash] | None = None) -> None:
+        """Replace a replica's cached blocks with a full list; its next batch is expected as seq + 1. Its node
+        pool's blocks are replaced too if given (a replica's own resync brings them in its next batch)."""
         if replica_id in self._removed:
             return
         replica = self._report(replica_id, stats, finished)
         self.index.resync(replica_id, block_hashes)
+        if host_block_hashes is not None:
+            self.index.resync(replica_id, host_block_hashes, "host")
         replica.last_seq = seq
 
     def remove_replica(self, replica_id: str) -> None:
@@ -273,17 +277,21 @@ class Router:
         for replica_id, replica in self._replicas.items():
             if replica.snapshot is not None:
                 replica.snapshot.index_blocks = self.index.num_blocks(replica_id)
+                replica.snapshot.index_host_blocks = self.index.num_blocks(replica_id, "host")
                 replica.snapshot.num_in_flight = len(replica.bookings)
                 replica.snapshot.num_parked_sessions = self._sessions.num_parked(replica_id)
                 replicas[replica_id] = replica.snapshot
         return RouterSnapshot(self.config.policy, replicas, dict(self._decisions))
 
-    def _candidate(self, replica_id: str, matched_blocks: int, now: float) -> Candidate:
+    def _candidate(self, replica_id: str, block_hashes: Sequence[BlockHash], matched_blocks: int,
+                   now: float) -> Candidate:
         replica = self._replicas.get(replica_id)
         if replica is None:
             return Candidate(replica_id, matched_blocks)
-        return replica.candidate(replica_id, matched_blocks, self.index.num_blocks(replica_id),
-                                 self._sessions.returning_tokens(replica_id), now)
+        candidate = replica.candidate(replica_id, matched_blocks, self.index.num_blocks(replica_id),
+                                      self._sessions.returning_tokens(replica_id), now)
+        candidate.loadable_blocks = self.index.host_run(replica_id, block_hashes, matched_blocks)
+        return candidate
 
     def _session_turn(self, previous: _Booking | None, session_id: str | None) -> int:
         if previous is not None:

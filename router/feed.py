@@ -132,7 +132,7 @@ class FeedingRouter(Router):
 def replay(router: Router, update: FeedUpdate, follower: str) -> None:
     """Apply a feed update to a follower's Router (its own shared bookings are already there)."""
     for state in update.states or ():
-        router.resync(state.replica_id, state.seq, state.block_hashes, state.stats, [])
+        router.resync(state.replica_id, state.seq, state.block_hashes, state.stats, [], state.host_block_hashes)
     for entry in update.entries:
         match entry:
             case Publish():

@@ -5,6 +5,9 @@ one dict lookup and two integer operations per block, whatever the number of rep
 the hashes' bytes and values ints: no container per block, so the garbage collector never walks
 the index.
 
+Per replica it also mirrors the blocks its node's pool holds (events of medium "host", as the replica
+sees the pool), apart: a replica loads those instead of computing them, which the policy prices.
+
 Bookings (blocks a request routed to a replica will compute there, until it finishes) are kept
 apart, at checkpoints only: the first 8 blocks of the chain, every 16th block after them and the
 last, from where the replica's match ended. Hashes are chained, so a request whose block k has
@@ -19,6 +22,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from replica.kv_cache import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
+from replica.kv_cache.events import Medium
 
 _DENSE_CHECKPOINTS = 8
 _CHECKPOINT_STRIDE = 16
@@ -44,6 +48,7 @@ class _ReplicaBlocks:
     bit: int
     stored: dict[BlockHash, None] = field(default_factory=dict)
     booked: dict[BlockHash, int] = field(default_factory=dict)  # checkpoint hash -> bookings
+    host: dict[BlockHash, None] = field(default_factory=dict)  # in its node's pool
 
 
 class BlockIndex:
@@ -59,21 +64,29 @@ class BlockIndex:
         stored, holders, bit = replica.stored, self._stored, 1 << replica.bit
         for event in events:
             kind = type(event)
-            if kind is BlockStored:  # the common case, inlined: a step stores a block per running request
-                for block_hash in event.block_hashes:
+            if kind is BlockStored and event.medium == "device":  # the common case, inlined: a step stores
+                for block_hash in event.block_hashes:                # a block per running request
                     if block_hash not in stored:
                         stored[block_hash] = None
                         holders[block_hash] = holders.get(block_hash, 0) | bit
+            elif kind is BlockStored:
+                replica.host.update(dict.fromkeys(event.block_hashes))
+            elif kind is BlockRemoved and event.medium == "host":
+                for block_hash in event.block_hashes:
+                    replica.host.pop(block_hash, None)
             elif kind is BlockRemoved:
                 self._unstore(replica, event.block_hashes)
+            elif kind is AllBlocksCleared and event.medium == "host":
+                replica.host.clear()
             elif kind is AllBlocksCleared:
                 self._unstore(replica, list(stored))
             else:
                 raise TypeError(f"not a KV event: {event!r}")
 
-    def resync(self, replica_id: str, block_hashes: Iterable[BlockHash]) -> None:
-        """Replace what the replica is known to store with its full list of hashes; bookings stay."""
-        self.apply(replica_id, [AllBlocksCleared(), BlockStored(list(block_hashes), None, [], 0)])
+    def resync(self, replica_id: str, block_hashes: Iterable[BlockHash], medium: Medium = "device") -> None:
+        """Replace what the replica (or its node's pool) is known to store with its full list of hashes;
+        bookings stay."""
+        self.apply(replica_id, [AllBlocksCleared(medium), BlockStored(list(block_hashes), None, [], 0, medium)])
 
     def book(self, replica_id: str, block_hashes: Sequence[BlockHash], start: int = 0) -> None:
         """Count the chain as held by the replica until unbook(): a request routed there computes it.
@@ -123,15 +136,26 @@ class BlockIndex:
             _drop_bit(self._booked, block_hash, mask)
         self._ids_by_bit[replica.bit] = None
 
-    def stored_hashes(self, replica_id: str) -> list[BlockHash]:
+    def host_run(self, replica_id: str, block_hashes: Sequence[BlockHash], start: int) -> int:
+        """How many blocks of the chain from start on the replica's node pool holds, one after the other."""
+        replica = self._replicas.get(replica_id)
+        if replica is None or not replica.host:
+            return 0
+        held = replica.host
+        depth = start
+        while depth < len(block_hashes) and block_hashes[depth] in held:
+            depth += 1
+        return depth - start
+
+    def stored_hashes(self, replica_id: str, medium: Medium = "device") -> list[BlockHash]:
         """The hashes the replica reported stored, in the order it stored them (bookings not counted)."""
         replica = self._replicas.get(replica_id)
-        return list(replica.stored) if replica else []
+        return list(replica.stored if medium == "device" else replica.host) if replica else []
 
-    def num_blocks(self, replica_id: str) -> int:
+    def num_blocks(self, replica_id: str, medium: Medium = "device") -> int:
         """Blocks the replica reported stored (bookings not counted)."""
         replica = self._replicas.get(replica_id)
-        return len(replica.stored) if replica else 0
+        return len(replica.stored if medium == "device" else replica.host) if replica else 0
 
     def _match_stored(self, block_hashes: Sequence[BlockHash], matched: dict[str, int]) -> None:
         stored = self._stored

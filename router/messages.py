@@ -29,6 +29,7 @@ class ReplicaState:
     seq: int
     block_hashes: list[BlockHash]
     stats: SchedulerStats
+    host_block_hashes: list[BlockHash] = field(default_factory=list)  # its node pool's, as it sees it
 
 
 @dataclass(slots=True)
@@ -39,6 +40,7 @@ class ReplicaSnapshot:
     predicted_cached_tokens: int = 0  # summed over finished requests the router chose a replica for
     actual_cached_tokens: int = 0     # what the replicas reported for those same requests
     num_parked_sessions: int = 0      # sessions between turns (within session_ttl_s) last served here
+    index_host_blocks: int = 0        # blocks of its node's pool, as the index mirrors them
 
 
 @dataclass(slots=True)

@@ -68,6 +68,13 @@ class PolicyConfig(pydantic.BaseModel):
     chosen with weight exp(-c / this), as Dynamo's router temperature does: several routers (ingress
     replicas) that see the same replicas but not each other's last decisions then spread a burst
     instead of all sending it to the one cheapest replica (benchmarks/results/routing-sim-routers.md)."""
+    host_hit_credit: float | None = pydantic.Field(None, ge=0, le=1)
+    """None: a block a replica would load from its node's pool costs what the replica measured loading a token
+    to cost against computing one (bytes over its load bandwidth, against its recent compute rate). A number:
+    a fixed credit instead, as llm-d (0.8) and Dynamo (0.75) give a host-tier hit: a loaded token costs 1 minus it
+    of a computed one."""
+    unmeasured_load_token_cost: float = pydantic.Field(0.25, ge=0, le=1)
+    """A loaded token's cost on a replica that has not measured it yet (no load, or no step, so far)."""
     session_ttl_s: float = pydantic.Field(30.0, gt=0)
     """How long a session parked between turns keeps counting on its replica."""
     booking_ttl_s: float = pydantic.Field(60.0, gt=0)
@@ -87,6 +94,8 @@ class Candidate:
     num_cached_blocks: int = 0          # everything it caches, this request's prefix or not
     num_session_tokens: float = 0       # what the sessions it hosts are expected to bring per turn
     num_context_tokens: int = 0         # prompt tokens of the requests routed to it and not finished
+    loadable_blocks: int = 0            # blocks of the chain past matched_blocks its node's pool holds
+    load_token_cost: float | None = None  # its measured cost of loading a token, in tokens computed; None: unknown
 
 
 @dataclass(slots=True)
@@ -100,6 +109,10 @@ class RequestShape:
     def follows_its_session(self) -> bool:
         """A later turn of a session: its first turn chose where the session lives."""
         return self.session_turn >= 2
+
+    def num_loaded_tokens(self, matched_blocks: int, loadable_blocks: int) -> int:
+        """Tokens a replica would load from its node's pool rather than compute."""
+        return self.num_uncached_tokens(matched_blocks) - self.num_uncached_tokens(matched_blocks + loadable_blocks)
 
     def num_uncached_tokens(self, matched_blocks: int) -> int:
         # The engine recomputes at least the last prompt token, even on a full hit.
@@ -135,11 +148,12 @@ class PrefixPolicy:
     def cost(self, request: RequestShape, candidate: Candidate) -> float:
         """Tokens of prefill-equivalent work the request waits for and causes on this replica."""
         config = self.config
-        uncached = request.num_uncached_tokens(candidate.matched_blocks)
+        loaded = request.num_loaded_tokens(candidate.matched_blocks, candidate.loadable_blocks)
+        uncached = request.num_uncached_tokens(candidate.matched_blocks) - loaded
         queued = candidate.num_prefill_tokens_pending
         num_steps = max(1.0, (queued + uncached) / max(config.step_token_budget - candidate.num_requests, 1))
-        cost = (queued + config.uncached_token_weight * uncached + num_steps * config.step_overhead_tokens
-                + config.preemption_cost_tokens * candidate.recent_preemptions)
+        cost = (queued + config.uncached_token_weight * (uncached + self._load_token_cost(candidate) * loaded)
+                + num_steps * config.step_overhead_tokens + config.preemption_cost_tokens * candidate.recent_preemptions)
         if not request.follows_its_session:
             cost += (config.request_cost_tokens * candidate.num_requests
                      + config.context_token_weight * candidate.num_context_tokens)
@@ -147,10 +161,18 @@ class PrefixPolicy:
             cost += config.session_weight * candidate.num_session_tokens
         if candidate.num_free_blocks is not None:
             block_size = request.block_size
-            short_blocks = -(-uncached // block_size) - candidate.num_free_blocks
+            short_blocks = -(-(uncached + loaded) // block_size) - candidate.num_free_blocks
             if short_blocks > 0:
                 cost += config.memory_weight * short_blocks * block_size
         return cost
+
+    def _load_token_cost(self, candidate: Candidate) -> float:
+        """A loaded token's cost as a share of a computed one's: the replica's measured one, or a fixed one."""
+        config = self.config
+        if config.host_hit_credit is not None:
+            return 1.0 - config.host_hit_credit
+        measured = candidate.load_token_cost
+        return config.unmeasured_load_token_cost if measured is None else min(measured, 1.0)
 
 
 class RoundRobinPolicy:

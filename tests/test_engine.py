@@ -6,7 +6,7 @@ chunked prefill, prefix-cache hits and preemption must not change a single greed
 import pytest
 
 from replica.engine import LLM, EngineConfig, EngineCore
-from replica.kv_cache import hash_token_blocks
+from replica.kv_cache import AllBlocksCleared, hash_token_blocks
 from replica.request import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -276,3 +276,36 @@ def test_continuum_pins_a_programs_turn_for_the_next_without_changing_a_token(ll
     computed = len(first.prompt_token_ids) + len(first.token_ids) - 1  # the last token was never fed back
     assert outputs[-1].num_cached_tokens == computed // 16 * 16
     assert engine.stats().pins.hits == 1 and engine.stats().kv_usage == 0  # the last turn ends the pin
+
+
+@pytest.fixture
+def two_engines_on_one_pool(tmp_path) -> tuple[LLM, LLM]:
+    pool = {"host_pool_gib": 0.01, "host_pool_path": str(tmp_path / "pool")}  # 14 blocks of 16 tokens
+    return make_llm(**pool), make_llm(**pool)
+
+
+def test_a_prefix_another_engine_computed_is_loaded_from_the_node_pool_with_the_same_tokens(
+        llm, two_engines_on_one_pool):
+    prompt = llm.tokenizer.encode(PROMPTS[2] * 4)
+    expected = llm.generate(prompt, GREEDY)[0].token_ids
+    first, second = two_engines_on_one_pool
+    assert first.generate(prompt, GREEDY)[0].token_ids == expected
+    [cleared, in_pool] = second.engine.take_kv_events()  # the pool's blocks, as the second engine sees them
+    assert cleared == AllBlocksCleared("host") and in_pool.medium == "host"
+    assert set(hash_token_blocks(prompt, 16)) <= set(in_pool.block_hashes)
+    [output] = second.generate(prompt, GREEDY)
+    num_hit_tokens = (len(prompt) - 1) // 16 * 16
+    assert (output.token_ids, output.num_cached_tokens) == (expected, num_hit_tokens)
+    assert second.engine.stats().host_pool_hits == num_hit_tokens
+
+
+def test_blocks_that_fail_their_check_mid_load_are_computed_instead(llm, two_engines_on_one_pool, monkeypatch):
+    prompt = llm.tokenizer.encode(PROMPTS[2] * 4)
+    first, second = two_engines_on_one_pool
+    first.generate(prompt, GREEDY)
+    pool = second.engine.runner.host_copies.pool
+    load = pool.load
+    monkeypatch.setattr(pool, "load", lambda *args: min(load(*args), 3))  # the fourth block changed meanwhile
+    [output] = second.generate(prompt, GREEDY)
+    assert (output.token_ids, output.num_cached_tokens) == (llm.generate(prompt, GREEDY)[0].token_ids, 48)
+    assert second.engine.stats().host_pool_hits == 48

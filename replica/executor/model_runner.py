@@ -8,11 +8,16 @@ last token and the drafts are scheduled together, and the logits at each of thei
 the rejection sampler. Under tensor parallelism every rank runs one, on its shard: the driver rank
 samples, and the others take its tokens so that their requests' token ids stay the same.
 """
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 
 from replica.executor.cuda_graphs import DecodeGraphs
+from replica.executor.host_copies import HostCopies
 from replica.executor.input_batch import BatchInputs, RequestState, order_decodes_first, prepare_inputs
 from replica.executor.model import KVCache, LlamaForCausalLM
+from replica.kv_cache.host_pool import KVLoad
 from replica.executor.rejection_sampler import num_emitted, rejection_sample
 from replica.executor.sampler import Sampled, SamplingMetadata, sample
 from replica.scheduler import ModelRunnerOutput, SchedulerOutput
@@ -21,7 +26,7 @@ from replica.structured_output.manager import GrammarBitmask
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], block_size: int,
-                 decode_graphs: DecodeGraphs | None = None):
+                 decode_graphs: DecodeGraphs | None = None, host_copies: HostCopies | None = None):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -29,10 +34,27 @@ class ModelRunner:
         self.device = kv_caches[0][0].device
         self.tp = model.tp
         self.requests: dict[str, RequestState] = {}
+        self.host_copies = host_copies
+        # loads from the node's pool run beside the forward pass (into blocks the step does not read)
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="kv-load") if host_copies is not None else None
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(scheduler_output)
+        loading = self._loader.submit(self._timed_load, scheduler_output.kv_loads) \
+            if scheduler_output.kv_loads else None
+        output = self._execute(scheduler_output)
+        if loading is not None:
+            output.kv_loaded, output.kv_load_s = loading.result()
+        if scheduler_output.kv_save is not None:
+            self.host_copies.save(scheduler_output.kv_save)
+        return output
+
+    def _timed_load(self, loads: list[KVLoad]) -> tuple[dict[str, int], float]:
+        started = time.perf_counter()
+        return self.host_copies.load(loads), time.perf_counter() - started
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if not scheduler_output.total_num_scheduled_tokens:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         num_scheduled = scheduler_output.num_scheduled_tokens

@@ -9,11 +9,13 @@ from kernels import Backend, get_ops
 from replica.executor.checkpoint import load_checkpoint
 from replica.executor.cpu_allocator import keep_freed_memory
 from replica.executor.cuda_graphs import DecodeGraphs
+from replica.executor.host_copies import HostCopies
 from replica.executor.model import KVCache, LlamaForCausalLM
 from replica.executor.model_runner import ModelRunner
 from replica.executor.paged_cache import allocate_kv_caches
 from replica.executor.parallel import TensorParallel, init_process_group
 from replica.executor.weights import build_model
+from replica.kv_cache.host_pool import HostPool, HostPoolSpec
 from replica.scheduler import ModelRunnerOutput, SchedulerOutput
 
 
@@ -29,6 +31,7 @@ class RunnerSpec:
     cuda_graphs: bool = False  # capture decode steps where the kernels and ranks allow (see decode_graphs)
     max_num_seqs: int = 0
     max_blocks_per_seq: int = 0
+    host_pool: HostPoolSpec | None = None  # the node's second KV tier
 
 
 def build_runner(spec: RunnerSpec, tp: TensorParallel = TensorParallel(),
@@ -38,7 +41,8 @@ def build_runner(spec: RunnerSpec, tp: TensorParallel = TensorParallel(),
     checkpoint = load_checkpoint(spec.model)
     model = build_model(checkpoint, dtype=spec.dtype, device=device, ops=get_ops(spec.backend), tp=tp)
     kv_caches = allocate_kv_caches(checkpoint.config, spec.num_blocks, spec.block_size, spec.dtype, device, tp.size)
-    return ModelRunner(model, kv_caches, spec.block_size, decode_graphs(spec, model, kv_caches))
+    host_copies = HostCopies(HostPool(spec.host_pool), kv_caches) if spec.host_pool is not None else None
+    return ModelRunner(model, kv_caches, spec.block_size, decode_graphs(spec, model, kv_caches), host_copies)
 
 
 def decode_graphs(spec: RunnerSpec, model: LlamaForCausalLM, kv_caches: list[KVCache]) -> DecodeGraphs | None:

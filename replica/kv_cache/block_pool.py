@@ -63,21 +63,25 @@ class BlockPool:
         self.free_block_queue.append_n(released)
 
     def cache_full_blocks(self, blocks: list[KVCacheBlock], block_hashes: list[BlockHash],
-                          token_ids: list[int], first: int, end: int) -> None:
-        """Enter blocks[first:end] (now full) into the prefix cache under their chained hashes.
+                          token_ids: list[int], first: int, end: int) -> list[int]:
+        """Enter blocks[first:end] (now full) into the prefix cache under their chained hashes; the indices
+        of those entered.
 
         A block whose hash another block already holds stays uncached: the map keeps one block per hash.
         """
+        entered = []
         run_start = first
         for index in range(first, end):
             block, block_hash = blocks[index], block_hashes[index]
             if block.block_hash is None and block_hash not in self.cached_block_hash_to_block:
                 block.block_hash = block_hash
                 self.cached_block_hash_to_block[block_hash] = block
+                entered.append(index)
             else:
                 self._emit_stored(block_hashes, token_ids, run_start, index)
                 run_start = index + 1
         self._emit_stored(block_hashes, token_ids, run_start, end)
+        return entered
 
     def _emit_stored(self, block_hashes: list[BlockHash], token_ids: list[int], start: int, end: int) -> None:
         """One BlockStored for blocks[start:end], a run just entered into the cache; none if it is empty."""

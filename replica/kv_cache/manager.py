@@ -1,10 +1,11 @@
 """KVCacheManager: the paged KV cache in terms of requests (the scheduler never touches blocks)."""
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from replica.kv_cache.block import KVCacheBlock, KVCacheBlocks
 from replica.kv_cache.block_pool import BlockPool
 from replica.kv_cache.events import KVEvent
 from replica.kv_cache.hashing import BlockHash, hash_token_blocks
+from replica.kv_cache.host_pool import HostPool, KVLoad, KVSave
 from replica.request import Request, RequestStatus
 
 _ADMISSIONS = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
@@ -12,7 +13,10 @@ _ADMISSIONS = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True,
-                 watermark: float = 0.0, max_model_len: int | None = None, hash_seed: int = 0):
+                 watermark: float = 0.0, max_model_len: int | None = None, hash_seed: int = 0,
+                 host_pool: HostPool | None = None):
+        """host_pool: the node's second tier, which every block the cache takes in is written through to and
+        waiting requests load their prefix from past what the device holds."""
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if not 0.0 <= watermark < 1.0:
@@ -27,6 +31,9 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # per request: leading blocks already in the cache
         self.num_requests_scheduled_this_step = 0
+        self.host_pool = host_pool if enable_caching else None
+        self.loads: dict[str, tuple[list[KVCacheBlock], int]] = {}  # per loading request: its blocks, the first loaded
+        self._saves: dict[str, KVSave] = {}  # per request: blocks entered into the cache this step
         self._no_blocks = KVCacheBlocks([])
 
     @property
@@ -101,12 +108,52 @@ class KVCacheManager:
                 self._cache_full_blocks(request, num_full_blocks)
         return new_blocks
 
+    def host_hits(self, request: Request, num_device_blocks: int) -> list[int]:
+        """The pool's slots holding the request's blocks that follow its device hit (at least one token left
+        to compute)."""
+        if self.host_pool is None:
+            return []
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        return self.host_pool.find(request.block_hashes[num_device_blocks:max_hit_blocks])
+
+    def start_load(self, request: Request, device_hits: KVCacheBlocks, slots: list[int]) -> KVLoad | None:
+        """Device blocks for the pool's blocks at slots, held with the device hits before them until
+        finish_load; None, with nothing changed, when the cache is short of blocks."""
+        if not self._can_allocate(request, device_hits.blocks, len(slots)):
+            return None
+        self.block_pool.touch(device_hits.blocks)
+        new_blocks = self.block_pool.get_new_blocks(len(slots))
+        first = len(device_hits)
+        self.loads[request.request_id] = ([*device_hits.blocks, *new_blocks], first)
+        return KVLoad(request.request_id, [block.block_id for block in new_blocks], slots,
+                      request.block_hashes[first:first + len(slots)])
+
+    def finish_load(self, request: Request, num_loaded: int) -> None:
+        """Enter the first num_loaded loaded blocks into the prefix cache, and release the load's blocks."""
+        blocks, first = self.loads.pop(request.request_id)
+        self.block_pool.cache_full_blocks(blocks, request.block_hashes, request.all_token_ids,
+                                          first, first + num_loaded)
+        self.block_pool.free_blocks(reversed(blocks))
+
+    def take_saves(self, request_ids: Iterable[str]) -> KVSave | None:
+        """The blocks to write through to the pool after this step: those entered into the cache by the
+        requests that compute them in it (the others were preempted before it ran)."""
+        saves, self._saves = self._saves, {}
+        picked = [saves[request_id] for request_id in request_ids if request_id in saves]
+        if not picked:
+            return None
+        return KVSave([block_id for save in picked for block_id in save.block_ids],
+                      [block_hash for save in picked for block_hash in save.block_hashes])
+
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so its prefix stays cached the longest."""
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
+        self._saves.pop(request.request_id, None)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
+        if (load := self.loads.pop(request.request_id, None)) is not None:
+            self.block_pool.free_blocks(reversed(load[0]))
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
@@ -138,7 +185,11 @@ class KVCacheManager:
 
     def _cache_full_blocks(self, request: Request, num_full_blocks: int) -> None:
         self.update_block_hashes(request)
-        self.block_pool.cache_full_blocks(self.req_to_blocks[request.request_id], request.block_hashes,
-                                          request.all_token_ids,
-                                          self.num_cached_blocks.get(request.request_id, 0), num_full_blocks)
+        blocks = self.req_to_blocks[request.request_id]
+        entered = self.block_pool.cache_full_blocks(blocks, request.block_hashes, request.all_token_ids,
+                                                    self.num_cached_blocks.get(request.request_id, 0), num_full_blocks)
         self.num_cached_blocks[request.request_id] = num_full_blocks
+        if self.host_pool is not None and entered:
+            save = self._saves.setdefault(request.request_id, KVSave([], []))
+            save.block_ids.extend(blocks[index].block_id for index in entered)
+            save.block_hashes.extend(request.block_hashes[index] for index in entered)

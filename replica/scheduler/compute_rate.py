@@ -1,4 +1,5 @@
-"""ComputeRate: how long this replica has recently taken per token it computes, from the steps it ran.
+"""ComputeRate: how long this replica has recently taken per token it computes, from the steps it ran (and LoadRate,
+per token it loads from the node's pool).
 Continuum prices a pin with it: what recomputing the pinned history would cost (pin_keeper.py)."""
 import math
 from collections import deque
@@ -34,3 +35,18 @@ class ComputeRate:
         """Busy seconds for num_tokens at the recent rate, decode steps included: for a history it is what its
         recompute costs the replica (and more than its prefill alone). 0 before any step."""
         return num_tokens * self._seconds / self._tokens if self._tokens else 0.0
+
+
+class LoadRate:
+    """How long loading a token from the node's pool has recently taken, from the loads' own timings."""
+
+    def __init__(self) -> None:
+        self._seconds = 0.0
+        self._tokens = 0.0
+
+    def loaded(self, num_tokens: int, seconds: float) -> None:
+        self._seconds = self._seconds * _DECAY + seconds
+        self._tokens = self._tokens * _DECAY + num_tokens
+
+    def seconds_per_token(self) -> float | None:
+        return self._seconds / self._tokens if self._tokens else None

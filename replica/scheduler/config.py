@@ -9,6 +9,7 @@ class SchedulerConfig(pydantic.BaseModel):
     max_num_batched_tokens: int = pydantic.Field(8192, ge=1)  # the one token budget per step
     max_num_seqs: int = pydantic.Field(256, ge=1)              # cap on the running set
     max_model_len: int = pydantic.Field(8192, ge=2)
+    max_loading_requests: int = pydantic.Field(4, ge=1)  # waiting requests copying their prefix in from the pool
     long_prefill_token_threshold: int = pydantic.Field(0, ge=0)  # 0 = off
     enable_chunked_prefill: bool = True
     # continuum: FCFS, and a program's turn that ends in a tool call keeps its KV blocks pinned until

@@ -3,6 +3,7 @@ from dataclasses import dataclass, field
 
 from typing import TYPE_CHECKING
 
+from replica.kv_cache.host_pool import KVLoad, KVSave
 from replica.request import SamplingParams
 from replica.structured_output.stats import StructuredOutputStats
 
@@ -46,6 +47,8 @@ class SchedulerOutput:
     # token bitmask into grammar_bitmask while the runner computes the forward pass)
     structured_output_drafts: dict[str, list[int]] = field(default_factory=dict)
     grammar_bitmask: "GrammarBitmask | None" = None
+    kv_loads: list[KVLoad] = field(default_factory=list)  # copied in from the node's pool while the step runs
+    kv_save: KVSave | None = None  # written through to the node's pool once the step has computed them
 
 
 @dataclass(slots=True)
@@ -54,6 +57,8 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]  # [] for a partial prefill
     logprobs: list[list[float]] | None = None
     top_logprobs: list[list[list[tuple[int, float]]]] | None = None  # per sampled token: (token id, logprob)
+    kv_loaded: dict[str, int] = field(default_factory=dict)  # per KVLoad: its leading blocks that arrived whole
+    kv_load_s: float = 0.0  # how long the loads took (beside the forward pass)
 
 
 @dataclass(slots=True)
@@ -96,6 +101,10 @@ class SchedulerStats:
     num_preemptions: int       # cumulative
     prefix_cache_queries: int  # tokens looked up at admission, cumulative
     prefix_cache_hits: int     # tokens found in the prefix cache, cumulative
+    host_pool_hits: int = 0    # of those, tokens loaded from the node's pool (KV it held, not the device), cumulative
+    # what a token loaded from the node's pool costs here, in tokens computed in the same time (recent loads against
+    # recent steps); None until both were measured
+    host_load_token_cost: float | None = None
     num_prefill_tokens_pending: int = 0  # tokens of running and waiting requests still to prefill (or recompute)
     num_free_blocks: int = 0             # blocks a new request can take: free ones and evictable cached ones
     num_cached_blocks: int = 0           # blocks in the prefix cache's hash map: what the router's index mirrors

@@ -13,8 +13,10 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from replica.kv_cache import KVCacheManager
+from replica.kv_cache import KVCacheBlocks, KVCacheManager
+from replica.kv_cache.host_pool import KVLoad
 from replica.request import Request, RequestStatus
+from replica.scheduler.compute_rate import ComputeRate, LoadRate
 from replica.scheduler.config import SchedulerConfig
 from replica.scheduler.output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
                                       RequestOutput, SchedulerOutput, SchedulerStats,
@@ -36,6 +38,7 @@ class _StepPlan:
     new: list[tuple[Request, list[int], int]] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)  # the drafts scheduled, by request
+    loads: list[KVLoad] = field(default_factory=list)
     prefix_hits: dict[str, tuple[int, int]] = field(default_factory=dict)   # for the trace
 
     def add(self, group: list, request: Request, num_tokens: int, block_ids: list[int]) -> None:
@@ -62,7 +65,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._trace = trace or SchedulerTrace.from_env()
         self._pin_keeper = PinKeeper(config, kv_cache_manager, clock, self._trace)
-        self._compute_rate = self._pin_keeper.compute_rate
+        self._compute_rate = self._pin_keeper.compute_rate or (
+            ComputeRate(clock) if kv_cache_manager.host_pool is not None else None)
+        self._load_rate = LoadRate()
         match config.policy:
             case "priority":
                 self.waiting = PriorityRequestQueue()
@@ -73,6 +78,8 @@ class Scheduler:
         self.running: list[Request] = []
         # constrained requests whose grammar is still compiling: not in the queue, so the requests behind them run
         self.waiting_for_grammar: list[Request] = []
+        # requests whose prefix is being copied in from the node's pool: out of the queue until their step ends
+        self.loading: dict[str, Request] = {}
         self.finished_req_ids: set[str] = set()  # since the last schedule()
         # requests finished without running (too large to ever run, or their grammar failed), reported by the
         # next update
@@ -80,6 +87,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.host_pool_hits = 0  # tokens loaded from the node's pool, cumulative
         self.spec_decoding = SpecDecodingStats(num_accepted_tokens_per_pos=[0] * num_speculative_tokens)
 
     def add_request(self, request: Request) -> None:
@@ -177,6 +185,8 @@ class Scheduler:
         while self.waiting and plan.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             computed_blocks, num_computed_tokens = kv.get_computed_blocks(request)
+            if self._load_from_host(request, computed_blocks, plan):
+                continue
             num_new_tokens = self._num_new_tokens(request, num_computed_tokens)
             if self._can_never_run(request, num_new_tokens):
                 self._ignore(request)
@@ -195,6 +205,34 @@ class Scheduler:
             group = plan.resumed if request.status == RequestStatus.PREEMPTED else plan.new
             self._admit(request, num_computed_tokens, plan)
             plan.add(group, request, num_new_tokens, kv.get_block_ids(request.request_id))
+
+    def _load_from_host(self, request: Request, device_hits: KVCacheBlocks, plan: _StepPlan) -> bool:
+        """Start copying in the blocks of the request's prefix that the node's pool holds past its device hit;
+        it leaves the queue until the step that copies them ends, and comes back to its head. False if there
+        are none, the cache is short of blocks for them, too many loads are under way, or it loaded already
+        since it last ran (what did not arrive then, or was evicted since, is computed)."""
+        if request.loaded_from_host or len(self.loading) >= self.config.max_loading_requests:
+            return False
+        slots = self.kv_cache_manager.host_hits(request, len(device_hits))
+        if not slots or (load := self.kv_cache_manager.start_load(request, device_hits, slots)) is None:
+            return False
+        self.waiting.pop()
+        request.loaded_from_host = True
+        self.loading[request.request_id] = request
+        plan.loads.append(load)
+        return True
+
+    def _finish_loads(self, loads: list[KVLoad], num_loaded: dict[str, int], load_s: float) -> None:
+        """The loaded blocks join the prefix cache (a block the pool lost meanwhile is computed instead), and
+        their requests go back to the head of the queue, to be admitted with them as prefix hits."""
+        for load in loads:
+            request = self.loading.pop(load.request_id, None)
+            if request is None:  # aborted while it loaded
+                continue
+            self.kv_cache_manager.finish_load(request, num_loaded.get(load.request_id, 0))
+            self.host_pool_hits += num_loaded.get(load.request_id, 0) * self.kv_cache_manager.block_size
+            self.waiting.prepend(request)
+        self._load_rate.loaded(sum(len(load.slots) for load in loads) * self.kv_cache_manager.block_size, load_s)
 
     def _can_never_run(self, request: Request, num_new_tokens: int) -> bool:
         """Too big for the whole KV cache, or for a whole step when prefills may not be chunked."""
@@ -254,6 +292,7 @@ class Scheduler:
         victim.num_computed_tokens = 0
         victim.spec_token_ids = []  # drafted from a context it will recompute
         victim.num_preemptions += 1
+        victim.loaded_from_host = False
         self.num_preemptions += 1
         self.waiting.prepend(victim)
         plan.preempted.append(victim.request_id)
@@ -278,6 +317,8 @@ class Scheduler:
             preempted_req_ids=set(plan.preempted),
             finished_req_ids=self.finished_req_ids,
             scheduled_spec_decode_tokens=plan.spec_tokens,
+            kv_loads=plan.loads,
+            kv_save=self.kv_cache_manager.take_saves(plan.num_scheduled_tokens),
             structured_output_drafts={
                 request.request_id: plan.spec_tokens.get(request.request_id, [])
                 for group in (plan.running, plan.resumed, plan.new) for request, _, num_tokens in group
@@ -290,6 +331,8 @@ class Scheduler:
         if self._compute_rate is not None:
             self._compute_rate.step_done(scheduler_output.total_num_scheduled_tokens)
         outputs, self._unscheduled_outputs = self._unscheduled_outputs, []
+        if scheduler_output.kv_loads:
+            self._finish_loads(scheduler_output.kv_loads, model_output.kv_loaded, model_output.kv_load_s)
         stopped: set[Request] = set()
         requests = self.requests
         update_block_hashes = self.kv_cache_manager.update_block_hashes
@@ -382,6 +425,8 @@ class Scheduler:
                 stopped.add(request)
             elif request in self.waiting_for_grammar:
                 self.waiting_for_grammar.remove(request)
+            elif req_id in self.loading:
+                del self.loading[req_id]
             else:
                 self.waiting.remove(request)
             request.status = finished_status
@@ -410,7 +455,7 @@ class Scheduler:
         return self.kv_cache_manager.reset_prefix_cache()
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.waiting_for_grammar) + len(self.running)
+        return len(self.waiting) + len(self.waiting_for_grammar) + len(self.loading) + len(self.running)
 
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
@@ -418,11 +463,13 @@ class Scheduler:
     def make_stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting) + len(self.waiting_for_grammar),
+            num_waiting=len(self.waiting) + len(self.waiting_for_grammar) + len(self.loading),
             kv_usage=self.kv_cache_manager.usage,
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
+            host_pool_hits=self.host_pool_hits,
+            host_load_token_cost=self._host_load_token_cost(),
             num_prefill_tokens_pending=sum(map(_prefill_tokens_pending, itertools.chain(self.running, self.waiting))),
             num_free_blocks=self.kv_cache_manager.block_pool.get_num_free_blocks(),
             num_cached_blocks=len(self.kv_cache_manager.block_pool.cached_block_hash_to_block),
@@ -431,6 +478,11 @@ class Scheduler:
                 self.spec_decoding,
                 num_accepted_tokens_per_pos=list(self.spec_decoding.num_accepted_tokens_per_pos)),
         )
+
+    def _host_load_token_cost(self) -> float | None:
+        compute_s = self._compute_rate.seconds(1) if self._compute_rate is not None else 0.0
+        load_s = self._load_rate.seconds_per_token()
+        return load_s / compute_s if compute_s and load_s is not None else None
 
     def num_waiting_uncached_tokens(self) -> int:
         """Tokens the waiting requests will compute: all beyond the prefix the cache holds now."""

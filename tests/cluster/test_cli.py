@@ -16,7 +16,8 @@ SERVE_OPTIONS = {
     "--engine-core",
     "--routing-policy", "--max-waiting-requests", "--max-queued-requests", "--max-request-body-bytes",
     "--max-migrations", "--api-key", "--model", "--served-model-name", "--dtype", "--device", "--enforce-eager",
-    "--num-kv-blocks", "--kv-cache-gib", "--block-size", "--no-prefix-caching", "--max-num-seqs",
+    "--num-kv-blocks", "--kv-cache-gib", "--block-size", "--no-prefix-caching", "--kv-host-pool-gib",
+    "--kv-host-pool-path", "--max-num-seqs",
     "--max-num-batched-tokens", "--max-model-len", "--long-prefill-token-threshold", "--async-scheduling",
     "--no-async-scheduling", "--queue-policy", "--policy", "--num-speculative-tokens", "--ngram-min", "--ngram-max",
 }

@@ -2,13 +2,15 @@
 import time
 
 from replica.kv_cache import KVCacheManager
+from replica.kv_cache.host_pool import HostPool
 from replica.scheduler import ModelRunnerOutput, Scheduler, SchedulerConfig, SchedulerOutput
 
 
 def make_scheduler(num_blocks: int = 100, block_size: int = 4, watermark: float = 0.0, clock=time.monotonic,
-                   num_speculative_tokens: int = 0, **config) -> Scheduler:
+                   num_speculative_tokens: int = 0, host_pool: HostPool | None = None, **config) -> Scheduler:
     config.setdefault("max_model_len", 256)
-    manager = KVCacheManager(num_blocks, block_size, watermark=watermark, max_model_len=config["max_model_len"])
+    manager = KVCacheManager(num_blocks, block_size, watermark=watermark, max_model_len=config["max_model_len"],
+                             host_pool=host_pool)
     return Scheduler(SchedulerConfig(**config), manager, clock, num_speculative_tokens=num_speculative_tokens)
 
 

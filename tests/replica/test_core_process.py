@@ -9,8 +9,8 @@ import pytest
 
 from replica.async_engine import AsyncEngine, EngineDeadError, EngineRequest, ModelInfo
 from replica.config import EngineConfig
-from replica.core_process import CoreView, EngineCoreLost, ProcessEngine, core_of
-from replica.kv_cache import hash_token_blocks
+from replica.core_process import CoreView, EngineCoreLost, ProcessEngine, Step, core_of
+from replica.kv_cache import AllBlocksCleared, BlockRemoved, BlockStored, hash_token_blocks
 from replica.request import SamplingParams
 from tests.cluster.fakes import BLOCK_SIZE, HASH_SEED, FakeEngineCore, output_text
 
@@ -165,3 +165,16 @@ def test_the_real_core_in_its_process_gives_the_tokens_it_gives_in_this_one():
 
     here = asyncio.run(in_thread())
     assert run(tokens, core_of(config)) == here and all(len(stream) == 8 for stream in here)
+
+
+def test_the_view_keeps_the_node_pools_blocks_apart_and_reports_them_all_after_a_resync_read():
+    view = CoreView()
+    device, host = hash_token_blocks(list(range(8)), 4), hash_token_blocks(list(range(100, 112)), 4)
+    view.apply(Step([], [BlockStored(device, None, [], 4), BlockStored(host, None, [], 4, "host")], None))
+    view.apply(Step([], [BlockRemoved(host[:1], "host")], None))
+    assert len(view.take_kv_events()) == 3
+    assert view.cached_block_hashes() == device  # what a resync sends: the device's blocks
+    view.apply(Step([], [BlockRemoved(device[:1])], None))
+    assert view.take_kv_events() == [BlockRemoved(device[:1]), AllBlocksCleared("host"),
+                                     BlockStored(host[1:], None, [], 4, "host")]
+    assert view.take_kv_events() == []

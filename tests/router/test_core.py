@@ -2,10 +2,11 @@ import gc
 
 import pytest
 
-from replica.kv_cache import AllBlocksCleared
+from replica.kv_cache import AllBlocksCleared, BlockStored
 from replica.request import Request, SamplingParams
 from replica.scheduler import SchedulerStats
 from router import FinishedRequest, PolicyConfig, Router, RoutingDecision
+from router.policy import PrefixPolicy, RequestShape
 
 from tests.replica.scheduler_helpers import FakeClock, make_scheduler, step
 
@@ -430,3 +431,48 @@ def test_a_restarted_router_learns_a_pinned_history_from_the_resync_and_sends_th
         router.resync(replica_id, 1, scheduler.kv_cache_manager.cached_block_hashes(), scheduler.make_stats(), [])
     next_turn = chain(*range(1, 41), 98, 99)
     assert router.choose("p/2", next_turn, ["a", "b"], session_id="p") == RoutingDecision("a", 40, "prefix_hit")
+
+
+def host_stored(block_hashes) -> BlockStored:
+    return BlockStored(list(block_hashes), None, [], BLOCK_SIZE, "host")
+
+
+def test_a_prefix_in_a_replicas_node_pool_is_priced_at_its_measured_load_cost():
+    router = make_router()
+    load_stats = stats()
+    load_stats.host_load_token_cost = 0.05
+    router.publish("a", 1, [host_stored(chain(1, 2, 3, 4))], load_stats, [])
+    publish(router, "b", 1)
+    request = RequestShape(4, 16, BLOCK_SIZE)
+    [a, b] = [router._candidate(replica_id, chain(1, 2, 3, 4), 0, 0.0) for replica_id in "ab"]
+    assert (a.loadable_blocks, a.load_token_cost, b.loadable_blocks) == (4, 0.05, 0)
+    policy = PrefixPolicy(router.config, None)
+    # a: 2 x (1 computed + 0.05 x 15 loaded) + one step's 64; b: 2 x 16 computed + 64
+    assert (policy.cost(request, a), policy.cost(request, b)) == (2 * (1 + 0.05 * 15) + 64, 2 * 16 + 64)
+    load_stats.host_load_token_cost = None  # unmeasured: 0.25
+    assert policy.cost(request, router._candidate("a", chain(1, 2, 3, 4), 0, 0.0)) == 2 * (1 + 0.25 * 15) + 64
+    load_stats.host_load_token_cost = 0.05
+    assert router.choose("r1", chain(1, 2, 3, 4), ["a", "b"], num_prompt_tokens=16).replica_id == "a"
+    router.release("r1")
+    load_stats.num_running = 1  # a request's 64 more on a: computing it all on b is cheaper
+    assert router.choose("r2", chain(1, 2, 3, 4), ["a", "b"], num_prompt_tokens=16).replica_id == "b"
+
+
+def test_a_fixed_host_hit_credit_replaces_the_measured_cost():
+    router = make_router(host_hit_credit=0.8)
+    load_stats = stats()
+    load_stats.host_load_token_cost = 0.01
+    router.publish("a", 1, [host_stored(chain(1, 2))], load_stats, [])
+    candidate = router._candidate("a", chain(1, 2), 0, 0.0)
+    assert PrefixPolicy(router.config, None).cost(RequestShape(2, 8, BLOCK_SIZE), candidate) == pytest.approx(
+        2 * (1 + 0.2 * 7) + 64)
+
+
+def test_the_node_pools_blocks_reach_followers_through_replica_states():
+    router = make_router()
+    router.publish("a", 1, [stored(chain(1)), host_stored(chain(1, 2))], stats(), [])
+    [state] = router.replica_states()
+    follower = make_router()
+    follower.resync(state.replica_id, state.seq, state.block_hashes, state.stats, [], state.host_block_hashes)
+    assert follower.index.stored_hashes("a", "host") == chain(1, 2)
+    assert follower.snapshot().replicas["a"].index_host_blocks == 2

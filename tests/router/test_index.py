@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from replica.kv_cache import AllBlocksCleared, BlockRemoved, KVCacheManager
+from replica.kv_cache import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheManager
 from replica.request import Request, SamplingParams
 from router import BlockIndex
 from router.index import checkpoints
@@ -179,3 +179,18 @@ def test_a_booking_from_where_the_replica_match_ends_leaves_the_held_blocks_out(
     assert index.match(full) == {"a": 40}  # the booked checkpoints still stand for their prefixes
     index.unbook("a", full, start=10)
     assert index.match(full) == {}
+
+
+def test_host_blocks_are_kept_apart_from_the_device_and_run_from_a_depth():
+    index = index_with(a=chain(1))
+    index.apply("a", [BlockStored(chain(1, 2, 3), None, [], BLOCK_SIZE, "host")])
+    assert index.match(chain(1, 2, 3)) == {"a": 1}
+    assert [index.host_run("a", chain(1, 2, 3), start) for start in (0, 1, 3)] == [3, 2, 0]
+    assert index.host_run("b", chain(1, 2, 3), 0) == 0
+    index.apply("a", [BlockRemoved([chain(1, 2)[1]], "host")])
+    assert index.host_run("a", chain(1, 2, 3), 1) == 0
+    assert (index.num_blocks("a"), index.num_blocks("a", "host")) == (1, 2)
+    index.apply("a", [AllBlocksCleared("host")])
+    assert (index.stored_hashes("a"), index.stored_hashes("a", "host")) == (chain(1), [])
+    index.resync("a", chain(4, 5), "host")
+    assert (index.stored_hashes("a"), index.stored_hashes("a", "host")) == (chain(1), chain(4, 5))
