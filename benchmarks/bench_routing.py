@@ -16,13 +16,20 @@ from the responses' usage), TTFT p50/p99, request and output-token throughput, t
 round_robin, the baseline, measured in the same process, and the router's decisions by outcome
 (from /metrics).
 
+With --host-pool-gib, every policy runs twice, without and with the node's KV pool of that size ("+pool": a
+fresh pool file for each deployment, shared by its replicas). Ratios are to round_robin, else to the first policy
+without the pool.
+
     python benchmarks/bench_routing.py [--policies prefix round_robin least_loaded] [--replicas 4] ...
+    python benchmarks/bench_routing.py --policies prefix --host-pool-gib 1 --num-kv-blocks 96 --replicas 2
 """
 import argparse
 import asyncio
 import functools
+import itertools
 import random
 import sys
+import tempfile
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -134,23 +141,28 @@ async def run_workload(base_url: str, policy: str, turns: list[Turn], args: argp
 
 def deploy_and_run(args: argparse.Namespace, turns: list[Turn]) -> list[Result]:
     results = []
-    with local_app() as deploy:
-        for policy in args.policies:
+    pools = [0.0, args.host_pool_gib] if args.host_pool_gib else [0.0]
+    with local_app() as deploy, tempfile.TemporaryDirectory(dir="/dev/shm") as pool_dir:
+        for policy, pool_gib in itertools.product(args.policies, pools):
             engine = {"num_kv_blocks": args.num_kv_blocks, "max_model_len": args.max_model_len}
+            name = policy
+            if pool_gib:
+                name += "+pool"
+                engine |= {"host_pool_gib": pool_gib, "host_pool_path": f"{pool_dir}/{policy}"}
             base_url = deploy(engine, args.replicas, routing=policy)
-            results.append(asyncio.run(run_workload(base_url, policy, turns, args)))
-            print(f"{policy}: {results[-1].wall_s:.1f} s", flush=True)
+            results.append(asyncio.run(run_workload(base_url, name, turns, args)))
+            print(f"{name}: {results[-1].wall_s:.1f} s", flush=True)
     return results
 
 
 def report(results: list[Result]) -> None:
-    baseline = next((r for r in results if r.policy == BASELINE), None)
+    baseline = next((r for r in results if r.policy == BASELINE), results[0])
     print(f"| policy | prefix-cache hit rate | TTFT p50 (s) | TTFT p99 (s) | req/s | output tok/s "
-          f"| TTFT p50, p99, throughput vs {BASELINE} | requests per replica | router decisions |")
+          f"| TTFT p50, p99, throughput vs {baseline.policy} | requests per replica | router decisions |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         versus = (f"{baseline.ttft(50) / r.ttft(50):.2f}x, {baseline.ttft(99) / r.ttft(99):.2f}x, "
-                  f"{r.requests_per_s / baseline.requests_per_s:.2f}x" if baseline else "-")
+                  f"{r.requests_per_s / baseline.requests_per_s:.2f}x")
         spread = sorted(Counter(s.replica_id for s in r.samples).values(), reverse=True)
         print(f"| {r.policy} | {r.hit_rate:.1%} | {r.ttft(50):.2f} | {r.ttft(99):.2f} | {r.requests_per_s:.2f} "
               f"| {r.output_tokens_per_s:.1f} | {versus} | {spread} | {r.router.describe_decisions()} |", flush=True)
@@ -170,6 +182,8 @@ def main() -> None:
     parser.add_argument("--num-kv-blocks", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--host-pool-gib", type=float, default=0.0,
+                        help="run every policy without and with the node's KV pool of this size too")
     args = parser.parse_args()
     turns = make_turns(args)
     print(f"{len(turns)} requests: {args.systems} system prompts x {args.sessions} sessions x {args.turns} turns, "

@@ -113,6 +113,8 @@ class EngineCore:
                           max_num_seqs=config.scheduler.max_num_seqs,
                           max_blocks_per_seq=-(-self.max_model_len // cache.block_size), host_pool=host_pool)
         self.runner: ModelRunner | Executor = build_runner(spec) if tp_size == 1 else make_executor(spec, tp_size)
+        if host_pool is not None and device.type == "cpu" and not async_scheduling:  # no step runs meanwhile
+            self.scheduler.load_now = self.runner.load_from_host
         logger.info("%s on %s x %d: %s, %s kernels", self.model_name, device, tp_size,
                     str(dtype).removeprefix("torch."), backend)
         self._runner_thread = ThreadPoolExecutor(1, thread_name_prefix="model-runner") \

@@ -1,7 +1,10 @@
 """One simulated run end to end, and the capacity that loads are relative to."""
+import itertools
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from replica.kv_cache.host_pool import HostPool, HostPoolSpec
 from replica.scheduler.trace import SchedulerTrace
 from router import PolicyConfig
 
@@ -26,15 +29,36 @@ class ClusterSpec:
     shared_bookings: bool = True  # each router's bookings reach the others
     booking_delay_s: float | None = None  # how much later they do; None: sync_delay_s
     pin_trace_dir: str | None = None  # each replica writes its pin records (replica.scheduler.trace) here
+    host_pool_blocks: int = 0    # the node's pool, in blocks per replica of the node; 0: no pool
+    replicas_per_node: int = 8   # the replicas sharing a pool
+    load_s_per_block: float = 0.0  # copying a block in from the pool (beside the step's forward pass)
 
 
 def simulate(programs: list[Program], num_replicas: int, policy: str, step_model: StepModel,
              spec: ClusterSpec, seed: int, config: PolicyConfig | None = None
              ) -> tuple[list[RequestRecord], list[SimReplica]]:
     clock = SimClock()
-    replicas = [SimReplica(f"r{i}", spec.num_blocks, spec.block_size, step_model, clock, spec.queue_policy,
-                           spec.max_model_len, _pin_trace(spec, f"r{i}"))
-                for i in range(num_replicas)]
+    with tempfile.TemporaryDirectory() as pool_dir:
+        pools = _node_pools(spec, num_replicas, pool_dir)
+        replicas = [SimReplica(f"r{i}", spec.num_blocks, spec.block_size, step_model, clock, spec.queue_policy,
+                               spec.max_model_len, _pin_trace(spec, f"r{i}"),
+                               pools[i // spec.replicas_per_node] if pools else None, spec.load_s_per_block)
+                    for i in range(num_replicas)]
+        return _simulate(programs, replicas, policy, spec, seed, clock, config)
+
+
+def _node_pools(spec: ClusterSpec, num_replicas: int, directory: str) -> list[HostPool]:
+    if not spec.host_pool_blocks:
+        return []
+    order = itertools.count()  # the pools' clock: the order of their uses, the same on every run
+    num_nodes = -(-num_replicas // spec.replicas_per_node)
+    return [HostPool(HostPoolSpec(f"{directory}/node{node}", spec.host_pool_blocks * spec.replicas_per_node, 1,
+                                  "sim"), clock=lambda: float(next(order)))
+            for node in range(num_nodes)]
+
+
+def _simulate(programs: list[Program], replicas: list[SimReplica], policy: str, spec: ClusterSpec, seed: int,
+              clock: SimClock, config: PolicyConfig | None) -> tuple[list[RequestRecord], list[SimReplica]]:
     replica_ids = [replica.replica_id for replica in replicas]
     routers = [make_router(policy, replica_ids, spec.block_size, clock, seed + k, config)
                for k in range(spec.num_routers)]

@@ -4,11 +4,16 @@ Each step is scheduled by the real scheduler; its duration comes from the step m
 end every request that finished its prompt samples the next token of its scripted answer. After
 every step the replica publishes to the router as cluster/publisher.py does: its KV events, its
 stats and the requests that finished, numbered 1, 2, 3...
+
+With a node's pool (the real HostPool, slots of no bytes), the scheduler loads at once, as the CPU engine's
+does: a block takes load_s_per_block, added to the step; the step's written-through blocks are stored at its
+end, and the pool's changes go out as host-tier events, as the engine's do.
 """
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from replica.kv_cache import BlockHash, KVCacheManager, KVEvent
+from replica.kv_cache.host_pool import HostPool, HostPoolWatcher, KVLoad
 from replica.request import Request, SamplingParams
 from replica.scheduler import ModelRunnerOutput, RequestOutput, Scheduler, SchedulerConfig, SchedulerOutput
 from replica.scheduler import SchedulerStats
@@ -31,12 +36,19 @@ class Publication:
 class SimReplica:
     def __init__(self, replica_id: str, num_blocks: int, block_size: int, step_model: StepModel,
                  clock: Callable[[], float], queue_policy: str = "fcfs", max_model_len: int = 8192,
-                 trace: SchedulerTrace | None = None):
+                 trace: SchedulerTrace | None = None, host_pool: HostPool | None = None,
+                 load_s_per_block: float = 0.0):
         self.replica_id = replica_id
         self.kv_cache_manager = KVCacheManager(num_blocks, block_size, watermark=WATERMARK,
-                                               max_model_len=max_model_len)
+                                               max_model_len=max_model_len, host_pool=host_pool)
+        self.host_pool = host_pool
+        self._watcher = HostPoolWatcher(host_pool, block_size) if host_pool is not None else None
+        self.load_s_per_block = load_s_per_block
+        self._load_s = 0.0  # loads of the step being scheduled
         self.scheduler = Scheduler(SchedulerConfig(max_model_len=max_model_len, policy=queue_policy),
                                    self.kv_cache_manager, clock, trace=trace)
+        if host_pool is not None:
+            self.scheduler.load_now = self._load_now
         self.step_model = step_model
         self.busy = False
         self._scripts: dict[str, list[int]] = {}
@@ -58,13 +70,22 @@ class SimReplica:
 
     def schedule(self) -> tuple[SchedulerOutput, float]:
         output = self.scheduler.schedule()
-        return output, self.step_model.step_seconds(output, self.scheduler.requests)
+        load_s, self._load_s = self._load_s, 0.0
+        return output, self.step_model.step_seconds(output, self.scheduler.requests) + load_s
+
+    def _load_now(self, loads: list[KVLoad]) -> tuple[dict[str, int], float]:
+        seconds = self.load_s_per_block * sum(len(load.slots) for load in loads)
+        self._load_s += seconds
+        return {load.request_id: self.host_pool.load(load.slots, load.block_hashes, _no_copy) for load in loads}, seconds
 
     def complete(self, output: SchedulerOutput) -> list[RequestOutput]:
-        """End the step: sample a token for every request whose prompt is computed."""
+        """End the step: sample a token for every request whose prompt is computed; store its written-through
+        blocks in the pool (no bytes)."""
         requests = self.scheduler.requests
         req_ids = list(output.num_scheduled_tokens)
         sampled = [self._sample(requests[req_id]) for req_id in req_ids]
+        if output.kv_save is not None:
+            self.host_pool.store(output.kv_save.block_hashes, _no_copy)
         outputs = self.scheduler.update_from_output(output, ModelRunnerOutput(req_ids, sampled))
         for result in outputs:
             if result.finished:
@@ -76,7 +97,10 @@ class SimReplica:
     def publish(self) -> Publication:
         self._seq += 1
         finished, self._finished = self._finished, []
-        return Publication(self._seq, self.kv_cache_manager.take_events(), self.scheduler.make_stats(), finished)
+        events = self.kv_cache_manager.take_events()
+        if self._watcher is not None:
+            events += self._watcher.take_events()
+        return Publication(self._seq, events, self.scheduler.make_stats(), finished)
 
     def cached_block_hashes(self) -> list[BlockHash]:
         return self.kv_cache_manager.cached_block_hashes()
@@ -85,3 +109,7 @@ class SimReplica:
         if request.num_computed_tokens < request.num_tokens:
             return []  # a prefill chunk
         return [self._scripts[request.request_id][request.num_output_tokens]]
+
+
+def _no_copy(*slots) -> None:
+    """The simulated pool's slots hold no bytes."""

@@ -41,7 +41,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(scheduler_output)
-        loading = self._loader.submit(self._timed_load, scheduler_output.kv_loads) \
+        loading = self._loader.submit(self.load_from_host, scheduler_output.kv_loads) \
             if scheduler_output.kv_loads else None
         output = self._execute(scheduler_output)
         if loading is not None:
@@ -50,7 +50,8 @@ class ModelRunner:
             self.host_copies.save(scheduler_output.kv_save)
         return output
 
-    def _timed_load(self, loads: list[KVLoad]) -> tuple[dict[str, int], float]:
+    def load_from_host(self, loads: list[KVLoad]) -> tuple[dict[str, int], float]:
+        """Copy the loads in from the node's pool: per load, its leading blocks that arrived whole; the seconds."""
         started = time.perf_counter()
         return self.host_copies.load(loads), time.perf_counter() - started
 

@@ -80,6 +80,11 @@ class Scheduler:
         self.waiting_for_grammar: list[Request] = []
         # requests whose prefix is being copied in from the node's pool: out of the queue until their step ends
         self.loading: dict[str, Request] = {}
+        # Copies loads in at once (per request, its leading blocks that arrived whole; the seconds it took), so that
+        # a request is admitted in the step that loads it. The engine sets it where the device's KV cache is in host
+        # memory (a load is a memory copy, shorter than the step it would otherwise wait for); None: loads run beside
+        # the next step's forward pass, and their requests wait for it to end.
+        self.load_now: Callable[[list[KVLoad]], tuple[dict[str, int], float]] | None = None
         self.finished_req_ids: set[str] = set()  # since the last schedule()
         # requests finished without running (too large to ever run, or their grammar failed), reported by the
         # next update
@@ -207,10 +212,11 @@ class Scheduler:
             plan.add(group, request, num_new_tokens, kv.get_block_ids(request.request_id))
 
     def _load_from_host(self, request: Request, device_hits: KVCacheBlocks, plan: _StepPlan) -> bool:
-        """Start copying in the blocks of the request's prefix that the node's pool holds past its device hit;
-        it leaves the queue until the step that copies them ends, and comes back to its head. False if there
-        are none, the cache is short of blocks for them, too many loads are under way, or it loaded already
-        since it last ran (what did not arrive then, or was evicted since, is computed)."""
+        """Copy in the blocks of the request's prefix that the node's pool holds past its device hit, now (with
+        load_now) or beside the step's forward pass: then it leaves the queue until the step ends, and comes back
+        to its head. False if there are none, the cache is short of blocks for them, too many loads are under
+        way, or it loaded already since it last ran (what did not arrive then, or was evicted since, is
+        computed)."""
         if request.loaded_from_host or len(self.loading) >= self.config.max_loading_requests:
             return False
         slots = self.kv_cache_manager.host_hits(request, len(device_hits))
@@ -219,7 +225,10 @@ class Scheduler:
         self.waiting.pop()
         request.loaded_from_host = True
         self.loading[request.request_id] = request
-        plan.loads.append(load)
+        if self.load_now is None:
+            plan.loads.append(load)
+        else:
+            self._finish_loads([load], *self.load_now([load]))
         return True
 
     def _finish_loads(self, loads: list[KVLoad], num_loaded: dict[str, int], load_s: float) -> None:

@@ -9,6 +9,7 @@ from benchmarks.sim.replica import SimReplica
 from benchmarks.sim.routers import make_router
 from benchmarks.sim.step_model import StepModel
 from benchmarks.sim.workloads import Program, Turn, assign_starts, make_workload
+from replica.kv_cache.host_pool import HostPool, HostPoolSpec
 
 BLOCK_SIZE = 16
 STEP_MODEL = StepModel(a=0.01, b=2e-4, c=1e-3, d=1e-6)  # fixed, so the test does not follow calibrations
@@ -88,3 +89,22 @@ def test_coding_agents_grow_long_histories_turn_by_turn():
     for program in programs:  # every turn's prompt starts with the previous turn's prompt and answer
         for previous, turn in zip(program.turns, program.turns[1:]):
             assert turn.prompt[:len(previous.prompt) + len(previous.output)] == previous.prompt + previous.output
+
+
+def test_replicas_sharing_a_node_pool_load_from_it_and_the_index_mirrors_it(tmp_path):
+    programs = make_workload("system-prompts", seed=1, num_replicas=3, num_requests=24)
+    assign_starts(programs, requests_per_s=6.0, seed=1)
+    clock = SimClock()
+    pool = HostPool(HostPoolSpec(str(tmp_path / "pool"), 1024, 1, "sim"))
+    replicas = [SimReplica(f"r{i}", 256, BLOCK_SIZE, STEP_MODEL, clock, host_pool=pool, load_s_per_block=1e-4)
+                for i in range(3)]
+    router = make_router("prefix", [replica.replica_id for replica in replicas], BLOCK_SIZE, clock, 0)
+    records = Simulation(programs, replicas, [router], BLOCK_SIZE, clock).run()
+    assert len(records) == 24 and all(record.finished_s is not None for record in records)
+    assert [replica.kv_cache_manager.usage for replica in replicas] == [0.0] * 3
+    loaded = sum(replica.scheduler.host_pool_hits for replica in replicas)
+    assert 0 < loaded <= sum(record.num_cached_tokens for record in records)
+    for replica in replicas:  # an idle engine publishes every second: its view of the pool catches up
+        router.deliver(replica.replica_id, replica.publish())
+        assert set(router.router.index.stored_hashes(replica.replica_id, "host")) == pool.contents()
+    assert 0 < len(pool.contents()) <= 1024

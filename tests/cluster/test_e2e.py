@@ -209,10 +209,10 @@ def kill_replica(replica_id: str) -> None:
     ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
 
 
-def stream_killing_its_replica(base_url: str, kill=kill_replica) -> tuple[str, list[dict]]:
+def stream_killing_its_replica(base_url: str, kill=kill_replica, body: dict = MIGRATED) -> tuple[str, list[dict]]:
     """The replica that took the stream, and the stream's chunks; kill(that replica's id) runs mid-stream."""
     chunks = []
-    with httpx.stream("POST", f"{base_url}/v1/completions", json=MIGRATED | {"stream": True}, timeout=120) as response:
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body | {"stream": True}, timeout=120) as response:
         replica_id = response.headers[REPLICA_HEADER]
         for line in response.iter_lines():
             if line.startswith("data: {"):

@@ -1,12 +1,15 @@
 """The scheduler with a node's KV pool: a waiting request's prefix that the pool holds past its device hit is
-loaded into device blocks while it waits out of the queue, then admitted with it as a prefix hit; the blocks
-its steps fill are written through. The runner's copies are faked: kv_loaded says how many arrived."""
+loaded into device blocks, beside the next step's forward pass while it waits out of the queue (or at once, with
+load_now, as the CPU engine does), then admitted with it as a prefix hit; the blocks its steps fill are written
+through. The runner's copies are faked: kv_loaded (or load_now) says how many arrived."""
+import pytest
+
 from replica.kv_cache import hash_token_blocks
 from replica.kv_cache.host_pool import HostPool, HostPoolSpec, KVLoad, KVSave
 from replica.request import RequestStatus
 from replica.scheduler import ModelRunnerOutput
 
-from .scheduler_helpers import fake_model_output, make_scheduler
+from .scheduler_helpers import FakeClock, fake_model_output, make_scheduler
 
 PROMPT = list(range(10))  # blocks of 4: two full blocks may hit, the last token is computed
 CHAIN = hash_token_blocks(PROMPT, 4)
@@ -88,3 +91,20 @@ def test_loads_under_way_are_bounded(tmp_path, make_request):
     output = scheduler.schedule()
     assert [load.request_id for load in output.kv_loads] == ["a"]
     assert output.num_scheduled_tokens == {"b": 11}  # b computes its prompt rather than wait for a slot to load
+
+
+def test_a_load_done_at_once_admits_the_request_in_the_same_step_and_prices_a_loaded_token(tmp_path, make_request):
+    clock = FakeClock()
+    scheduler = make_scheduler(host_pool=pool_holding(tmp_path, CHAIN), clock=clock)
+    scheduler.load_now = lambda loads: ({load.request_id: len(load.slots) for load in loads}, 0.004)
+    scheduler.add_request(make_request("a", PROMPT))
+    output = scheduler.schedule()
+    [new] = output.scheduled_new_reqs
+    assert (new.block_ids, new.num_computed_tokens, output.num_scheduled_tokens, output.kv_loads) == (
+        [1, 2, 3], 8, {"a": 2}, [])
+    assert scheduler.make_stats().host_load_token_cost is None  # no step measured yet
+    clock.now = 1.0
+    scheduler.update_from_output(output, fake_model_output(scheduler, output))
+    stats = scheduler.make_stats()
+    # 0.004 s for 8 loaded tokens against 1 s for the step's 2 computed ones
+    assert (stats.host_pool_hits, stats.host_load_token_cost) == (8, pytest.approx(0.0005 / 0.5))
