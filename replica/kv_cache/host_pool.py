@@ -107,7 +107,7 @@ class HostPool:
             raise ValueError(f"host KV pool layout too long: {spec.layout!r}")
         size = os.fstat(self._fd).st_size
         if size == 0:
-            os.ftruncate(self._fd, spec.file_bytes)
+            self._reserve()
             os.pwrite(self._fd, header, 0)
             return
         found = os.pread(self._fd, len(header) + 1, 0)
@@ -116,6 +116,16 @@ class HostPool:
             raise ValueError(f"the host KV pool {spec.path} was made for other blocks ({made_for!r}, "
                              f"{size} bytes); this engine's is {header!r}, {spec.file_bytes} bytes: give it another "
                              "path or the same pool size, model and block size")
+
+    def _reserve(self) -> None:
+        """Take the file's memory now: a sparse file on a full /dev/shm would crash its first writer (SIGBUS)."""
+        try:
+            os.posix_fallocate(self._fd, 0, self.spec.file_bytes)
+        except OSError as exc:
+            os.unlink(self.spec.path)
+            raise ValueError(f"cannot reserve {self.spec.file_bytes / 2**30:.2f} GiB for the host KV pool at "
+                             f"{self.spec.path} ({exc.strerror}): make the pool smaller or its file system "
+                             "larger (a container's /dev/shm, the chart's shmSizeLimit)") from exc
 
     @contextmanager
     def _locked(self):

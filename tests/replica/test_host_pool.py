@@ -1,4 +1,5 @@
 """HostPool: a node's shared KV tier, driven through its public methods with byte blocks."""
+import errno
 import multiprocessing
 import os
 
@@ -147,3 +148,12 @@ def test_the_watcher_reports_the_pools_changes_as_host_events(tmp_path):
     watcher.report_all()
     [cleared, stored] = watcher.take_events()
     assert (cleared, set(stored.block_hashes)) == (AllBlocksCleared("host"), {CHAIN[1], CHAIN[2]})
+
+
+def test_a_pool_its_file_system_cannot_hold_is_refused_and_leaves_no_file(tmp_path, monkeypatch):
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(ValueError, match=r"cannot reserve .*\(No space left on device\)"):
+        make_pool(tmp_path)
+    assert not (tmp_path / "pool").exists()
