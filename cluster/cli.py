@@ -177,7 +177,7 @@ def _within(replicas: int, bounds: list[int]) -> int:
 
 
 def serve_until_interrupted(config, *, address: str | None, host: str, port: int) -> None:
-    pool_path = _own_host_pool(config)
+    pool_path = own_host_pool(config)
     try:
         if address is None:
             _serve_on_a_local_cluster(config, host, port)
@@ -188,14 +188,37 @@ def serve_until_interrupted(config, *, address: str | None, host: str, port: int
             os.unlink(pool_path)
 
 
-def _own_host_pool(config) -> str | None:
+POOL_PREFIX = "/dev/shm/prefixserve-kv-"
+
+
+def own_host_pool(config, pool_prefix: str = POOL_PREFIX) -> str | None:
     """A KV pool with no path given gets a file of this run's (on each node), removed from this node on exit;
-    the path, if so."""
+    the path, if so. The files of earlier runs that died without removing theirs go first."""
     cache = config.engine.cache
     if not cache.host_pool_gib or cache.host_pool_path is not None:
         return None
-    cache.host_pool_path = f"/dev/shm/prefixserve-kv-{os.getpid()}"
+    _remove_orphan_pools(pool_prefix)
+    cache.host_pool_path = f"{pool_prefix}{os.getpid()}"
     return cache.host_pool_path
+
+
+def _remove_orphan_pools(pool_prefix: str) -> None:
+    """Remove the pool files of runs whose process is gone (each named by its pid)."""
+    directory, _, name_prefix = pool_prefix.rpartition("/")
+    for name in os.listdir(directory) if os.path.isdir(directory) else ():
+        pid = name.removeprefix(name_prefix)
+        if name.startswith(name_prefix) and pid.isdigit() and not _alive(int(pid)):
+            os.unlink(os.path.join(directory, name))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def _serve_on_a_local_cluster(config, host: str, port: int) -> None:

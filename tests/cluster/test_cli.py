@@ -1,10 +1,13 @@
 """`prefixserve serve` arguments -> ClusterConfig, and its --help (no cluster started)."""
 import argparse
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
-from cluster.cli import build_parser, config_from_args, main
+from cluster.cli import build_parser, config_from_args, main, own_host_pool
 from cluster.config import ClusterConfig, IngressAutoscaling
 from router.policy import PolicyConfig
 
@@ -137,3 +140,17 @@ def test_help_documents_every_option(capsys):
     assert listed_options(capsys.readouterr().out) == SERVE_OPTIONS
     assert {option for action in actions for option in action.option_strings} == SERVE_OPTIONS
     assert all(action.help for action in actions)
+
+
+def test_a_pool_file_is_this_runs_and_orphans_of_dead_runs_go_first(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    for name in (f"prefixserve-kv-{dead.pid}", f"prefixserve-kv-{os.getpid()}", "prefixserve-kv-kept", "other"):
+        (tmp_path / name).write_bytes(b"")
+    config = parse("--kv-host-pool-gib", "0.5")
+    prefix = f"{tmp_path}/prefixserve-kv-"
+    assert own_host_pool(config, prefix) == f"{prefix}{os.getpid()}" == config.engine.cache.host_pool_path
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(
+        [f"prefixserve-kv-{os.getpid()}", "prefixserve-kv-kept", "other"])
+    assert own_host_pool(parse("--kv-host-pool-gib", "0.5", "--kv-host-pool-path", "/mine"), prefix) is None
+    assert own_host_pool(parse(), prefix) is None
