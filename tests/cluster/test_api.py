@@ -556,7 +556,7 @@ def test_n_choices_are_one_engine_request_each_sent_where_the_first_went_with_th
                              "prompt_tokens_details": {"cached_tokens": cached_tokens(0)}}
     response_id = body["id"]
     assert [(sent.request_id, sent.params.seed, sent.route_to) for sent in engine.requests] == [
-        (f"{response_id}-0", 5, None), (f"{response_id}-1", 6, "replica-a"), (f"{response_id}-2", 7, "replica-a")]
+        (response_id, 5, None), (f"{response_id}-1", 6, "replica-a"), (f"{response_id}-2", 7, "replica-a")]
     assert len({tuple(sent.block_hashes) for sent in engine.requests}) == 1
     assert response.headers[REPLICA_HEADER] == "replica-a"
 
