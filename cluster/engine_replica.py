@@ -1,4 +1,5 @@
-"""EngineReplica: the class of the engine deployment; one EngineCore per Serve replica."""
+"""EngineReplica: the class of the engine deployment; one EngineCore per Serve replica. DirectEngineReplica: one
+that also serves the OpenAI API itself (the direct front door)."""
 import asyncio
 import dataclasses
 import functools
@@ -6,14 +7,23 @@ from collections.abc import AsyncIterator
 
 from ray import serve
 
+from cluster.api import build_api
 from cluster.config import ClusterConfig
+from cluster.engine_client import EnginesBusy, ReplicaLost
+from cluster import front_router
+from cluster.metrics import ServingMetrics
 from cluster.publisher import RouterPublisher
+from cluster.serving import OpenAIServing
 from cluster.tp_workers import RayExecutor
 from replica.async_engine import AsyncEngine, EngineOutput, EngineRequest, ModelInfo, ReplicaStats
 from replica.config import EngineConfig
-from replica.core_process import ProcessEngine, core_of
+from replica.core_process import EngineCoreLost, ProcessEngine, core_of
 from replica.engine import EngineCore
+from replica.executor.checkpoint import load_checkpoint
 from router.actor import RouterClient
+
+RETRY_AFTER_S = 1.0  # what a 429 tells the client to wait
+ROUTER_SNAPSHOT_TIMEOUT_S = 2.0
 
 
 class EngineReplica:
@@ -63,6 +73,57 @@ class EngineReplica:
         if self._engine is not None:
             await self._engine.shutdown()
             await self._publisher.close()
+
+
+@serve.ingress()
+class DirectEngineReplica(EngineReplica):
+    """HAProxy forwards it the requests its FrontRouter sent here: it prepares them again (the router kept only
+    its decision) and streams their tokens straight back. A request it has no room for (max_num_seqs +
+    max_waiting_requests under way) gets 429. No migration: the client's connection ends with this process."""
+
+    async def __init__(self, config: ClusterConfig):
+        await super().__init__(config)
+        checkpoint = await asyncio.to_thread(load_checkpoint, config.engine.model)
+        self._metrics = ServingMetrics()
+        client = LocalEngineClient(self, config.engine.scheduler.max_num_seqs + config.max_waiting_requests)
+        self._serving = OpenAIServing(client, checkpoint.tokenizer, self.model_info(), self._metrics)
+        self._api_key = config.resolved_api_key()
+        self._max_body_bytes = config.max_request_body_bytes
+        self._router = serve.get_deployment_handle(front_router.DEPLOYMENT_NAME,
+                                                   serve.get_replica_context().app_name)
+
+    def __serve_build_asgi_app__(self):
+        return build_api(self._serving, render_metrics=self._render_metrics, api_key=self._api_key,
+                         max_body_bytes=self._max_body_bytes, routed_request_id_header=front_router.ROUTED_REQUEST_ID_HEADER)
+
+    async def _render_metrics(self) -> bytes:
+        """The series of the requests this replica served, and a router's view; its own alone if none answers."""
+        try:
+            snapshot = await asyncio.wait_for(self._router.snapshot.remote(), ROUTER_SNAPSHOT_TIMEOUT_S)
+        except Exception:  # whatever kept the router from answering, the replica's own series still go out
+            snapshot = None
+        return self._metrics.render(snapshot)
+
+
+class LocalEngineClient:
+    """An engine replica's own engine as serving's EngineClient, taking at most max_requests at once."""
+
+    def __init__(self, replica: EngineReplica, max_requests: int):
+        self._replica = replica
+        self._max_requests = max_requests
+        self._num_requests = 0
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        if self._num_requests >= self._max_requests:
+            raise EnginesBusy(RETRY_AFTER_S)
+        self._num_requests += 1
+        try:
+            async for output in self._replica.generate(request):
+                yield output
+        except EngineCoreLost as exc:
+            raise ReplicaLost(str(exc)) from None
+        finally:
+            self._num_requests -= 1
 
 
 def replica_engine_config(config: ClusterConfig) -> EngineConfig:

@@ -10,7 +10,6 @@ import asyncio
 import logging
 import math
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -28,12 +27,6 @@ from replica.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("ray.serve.prefixserve.serving")
 
-# Threads that prepare requests (parse, template, tokenize, hash) off the event loop: more than one, so that
-# a long prompt does not hold up the short ones behind it.
-PREPARE_THREADS = 4
-# A body this small is prepared on the event loop: it takes at most about a millisecond (512 bytes of text to
-# tokenize), 32 token ids about 70 us, where the handoff to a thread costs about 120 us of its own.
-INLINE_PREPARE_BYTES = 512
 CONSTRAINT_CHECK_TIMEOUT_S = 10.0
 
 
@@ -81,7 +74,6 @@ class OpenAIServing:
         self.tokenizer = tokenizer
         self.model = model
         self.metrics = metrics
-        self._executor = ThreadPoolExecutor(max_workers=PREPARE_THREADS, thread_name_prefix="ingress-prepare")
         # compiles each constraint once (on threads of its own) to refuse what the engines could not compile
         self.constraints = StructuredOutputManager(
             GuidanceBackend(tokenizer.backend, model.vocab_size, tokenizer.eos_token_id),
@@ -96,23 +88,14 @@ class OpenAIServing:
                                 request_id: str | None = None) -> Response:
         """raw_body: the request's JSON; session_id: its X-Session-Id header, if the body names none; request_id:
         the id its router booked it under, if it was routed before it came (else a new one)."""
-        return await self._generate(
-            await self._prepared(self.preparer.completion, raw_body, session_id, request_id), arrival_time)
+        prepared = await self.preparer.off_loop(self.preparer.completion, raw_body, session_id, request_id)
+        return await self._generate(prepared, arrival_time)
 
     async def create_chat_completion(self, raw_body: bytes, arrival_time: float, session_id: str | None = None,
                                      request_id: str | None = None) -> Response:
         """As create_completion."""
-        return await self._generate(
-            await self._prepared(self.preparer.chat_completion, raw_body, session_id, request_id), arrival_time)
-
-    async def _prepared(self, prepare: Callable[[bytes, str | None, str | None], Prepared], raw_body: bytes,
-                        session_id: str | None, request_id: str | None) -> Prepared:
-        # Parsing, templating, tokenizing and hashing a prompt of 100k tokens takes long enough to delay
-        # every other request's tokens if it ran on the event loop that streams them.
-        if len(raw_body) <= INLINE_PREPARE_BYTES:
-            return prepare(raw_body, session_id, request_id)
-        return await asyncio.get_running_loop().run_in_executor(self._executor, prepare, raw_body, session_id,
-                                                                request_id)
+        prepared = await self.preparer.off_loop(self.preparer.chat_completion, raw_body, session_id, request_id)
+        return await self._generate(prepared, arrival_time)
 
     async def _generate(self, prepared: Prepared, arrival_time: float) -> Response:
         body = prepared.body

@@ -16,6 +16,7 @@ from ray.serve.schema import ServeDeploySchema
 from cluster.app import ingress_options
 from cluster.autoscaling import AutoscalingSettings, PolicyKwargs
 from cluster.config import ClusterConfig, IngressAutoscaling
+from cluster.direct_ingress import DIRECT_INGRESS_ENV
 from replica.config import CacheConfig, EngineConfig
 from replica.scheduler import SchedulerConfig
 
@@ -245,6 +246,15 @@ def test_api_key_from_an_existing_secret_reaches_every_ray_container(chart):
     env = {"name": "PREFIXSERVE_API_KEY", "valueFrom": {"secretKeyRef": {"name": "llm-keys", "key": "prefixserve"}}}
     assert api_key_env(objects["RayService"]) == [[env], [env]]
     assert "Secret" not in objects
+
+
+def test_the_direct_front_door_turns_serves_haproxy_mode_on_in_every_ray_container(chart):
+    objects = render(chart, {"serve": {"args": {"front_door": "direct"}}})
+    assert serve_application(objects["RayService"])["args"]["front_door"] == "direct"
+    envs = [{e["name"]: e["value"] for e in c.get("env", [])} for c in ray_containers(objects["RayService"])]
+    assert envs == [DIRECT_INGRESS_ENV, DIRECT_INGRESS_ENV]
+    default = render(chart, {})["RayService"]
+    assert [c.get("env", []) for c in ray_containers(default)] == [[], []]
 
 
 def test_api_key_value_is_stored_in_a_secret_of_the_chart(chart):

@@ -10,7 +10,8 @@ import pytest
 from cluster.api import build_api
 from cluster.metrics import ServingMetrics
 from cluster.protocol import REPLICA_HEADER
-from cluster.serving import INLINE_PREPARE_BYTES, OpenAIServing
+from cluster.preparing import INLINE_PREPARE_BYTES
+from cluster.serving import OpenAIServing
 from replica.async_engine import ModelInfo
 from replica.kv_cache import hash_token_blocks
 from replica.request import SamplingParams
@@ -27,7 +28,7 @@ CHAT_PROMPT = "system: Be brief.\nuser: Hi\nassistant: "
 
 def make_app(engine: FakeEngineClient | None = None, *, api_key: str | None = None,
              snapshot: RouterSnapshot | None = None, max_body_bytes: int | None = None, max_migrations: int = 0,
-             tokenizer: FakeTokenizer | None = None):
+             tokenizer: FakeTokenizer | None = None, routed_request_id_header: str | None = None):
     serving = OpenAIServing(engine or FakeEngineClient(), tokenizer or FakeTokenizer(),
                             ModelInfo(MODEL, MAX_MODEL_LEN, VOCAB_SIZE, BLOCK_SIZE, HASH_SEED), ServingMetrics(),
                             max_migrations=max_migrations)
@@ -35,7 +36,8 @@ def make_app(engine: FakeEngineClient | None = None, *, api_key: str | None = No
     async def render_metrics() -> bytes:
         return serving.metrics.render(snapshot)
 
-    return build_api(serving, render_metrics=render_metrics, api_key=api_key, max_body_bytes=max_body_bytes)
+    return build_api(serving, render_metrics=render_metrics, api_key=api_key, max_body_bytes=max_body_bytes,
+                     routed_request_id_header=routed_request_id_header)
 
 
 def http_client(app) -> httpx.AsyncClient:
@@ -585,3 +587,33 @@ def test_a_failing_choice_fails_the_request_and_stops_the_others():
     assert response.status_code == 400
     assert error_of(response)["message"] == "the constraint took too long to compile"
     assert sorted(engine.abandoned) == sorted(sent.request_id for sent in engine.requests)
+
+
+@pytest.mark.parametrize("path, body", [("/v1/completions", {"prompt": "hello"}),
+                                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})])
+def test_a_routed_request_is_served_under_the_id_its_router_booked_where_the_app_takes_it(path, body):
+    body = {"model": MODEL, "max_tokens": 2} | body
+    routed = {"x-routed-id": "cmpl-booked"}
+    engine = FakeEngineClient()
+    response = request(make_app(engine, routed_request_id_header="x-routed-id"), "POST", path, json=body,
+                       headers=routed)
+    assert response.json()["id"] == "cmpl-booked" == engine.requests[0].request_id
+    unrouted = request(make_app(engine), "POST", path, json=body, headers=routed)
+    assert unrouted.json()["id"] == engine.requests[1].request_id != "cmpl-booked"
+
+
+def test_a_router_prepares_a_body_of_either_endpoint_as_the_replica_will_and_passes_on_what_it_refuses():
+    serving = OpenAIServing(FakeEngineClient(), FakeTokenizer(),
+                            ModelInfo(MODEL, MAX_MODEL_LEN, VOCAB_SIZE, BLOCK_SIZE, HASH_SEED), ServingMetrics())
+    preparer = serving.preparer
+    completion = json.dumps({"model": MODEL, "prompt": "hello there", "max_tokens": 2}).encode()
+    chat = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}).encode()
+    for raw, prepare, kind in ((completion, preparer.completion, "cmpl-"), (chat, preparer.chat_completion,
+                                                                           "chatcmpl-")):
+        routable = preparer.routable(raw, "session-1")
+        expected = prepare(raw, "session-1").request
+        assert routable.request_id.startswith(kind)
+        assert (routable.prompt_token_ids, routable.block_hashes, routable.session_id) == (
+            expected.prompt_token_ids, expected.block_hashes, "session-1")
+    assert [preparer.routable(raw, None) for raw in (b"{bad", b"[1]", json.dumps({"model": "other", "prompt": "x"})
+                                                     .encode())] == [None, None, None]

