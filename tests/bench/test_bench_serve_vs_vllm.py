@@ -35,13 +35,15 @@ def test_prefix_repetition_prompts_share_one_of_the_prefixes_exactly_and_end_in_
                                           "--prefix-repetition-output-len", "4"]
 
 
-def test_the_workloads_are_the_burst_the_prefix_burst_and_other_prefixes_at_the_request_rate():
+def test_the_workloads_are_the_burst_the_prefix_burst_other_prefixes_at_the_request_rate_and_the_stream():
     args = argparse.Namespace(num_prompts=4, input_len=8, output_len=2, num_prefixes=2, prefix_len=16,
-                                    suffix_len=4, prefix_output_len=3, request_rate=3.0, seed=5)
-    burst, prefix, paced = bench.make_workloads(args, vocab_size=500)
-    assert [w.name for w in (burst, prefix, paced)] == ["burst", "prefix", "prefix@3/s"]
-    assert [w.request_rate for w in (burst, prefix, paced)] == [math.inf, math.inf, 3.0]
-    assert [w.seed for w in (burst, prefix, paced)] == [5, 5, 6]
+                              suffix_len=4, prefix_output_len=3, request_rate=3.0, seed=5, stream_prompts=3,
+                              stream_input_len=6, stream_output_len=9)
+    burst, prefix, paced, stream = bench.make_workloads(args, vocab_size=500)
+    assert [w.name for w in (burst, prefix, paced, stream)] == ["burst", "prefix", "prefix@3/s", "stream"]
+    assert [w.request_rate for w in (burst, prefix, paced, stream)] == [math.inf, math.inf, 3.0, math.inf]
+    assert [w.seed for w in (burst, prefix, paced, stream)] == [5, 5, 6, 7]
+    assert ([len(p) for p in stream.prompts], stream.output_len) == ([6, 6, 6], 9)
     assert {len(p) for p in prefix.prompts} == {len(p) for p in paced.prompts} == {20}
     assert not {tuple(p[:16]) for p in prefix.prompts} & {tuple(p[:16]) for p in paced.prompts}
 
@@ -75,18 +77,30 @@ def test_vllm_bench_serve_gets_the_anchor_readmes_flags():
                        "--seed", "0", "--save-result", "--result-dir", "/r", "--result-filename", "result.json"]
 
 
-def test_the_verdict_checks_issue_30s_bars_only_where_vllm_ran():
-    figures = {"output_throughput": 120.0, "median_ttft_ms": 50.0, "median_tpot_ms": 20.0}
-    vllm = {"burst": {**figures, "output_throughput": 100.0}, "prefix": {**figures, "output_throughput": 90.0},
-            "prefix@3/s": {**figures, "median_ttft_ms": 60.0, "median_tpot_ms": 10.0}}
-    served = {name: figures for name in vllm}
-    assert bench.verdict(served, vllm, None, "prefix@3/s") == [
-        "- burst: 1.20x vLLM's output tok/s (met: 1.2x)",
-        "- prefix: 1.33x vLLM's output tok/s (met: 1.2x)",
-        "- prefix@3/s median_ttft_ms: 50.0 against vLLM's 60.0 (met: no worse)",
-        "- prefix@3/s median_tpot_ms: 20.0 against vLLM's 10.0 (not met: no worse)"]
-    [line] = bench.verdict(served, None, "vLLM skipped: no AVX-512", "prefix@3/s")
-    assert "not checkable here. vLLM skipped: no AVX-512." in line
+def test_the_verdict_checks_each_front_door_against_the_engine_offline_and_vllm_only_where_it_ran():
+    burst = bench.random_burst(num_prompts=4, input_len=5, output_len=10, vocab_size=100, seed=0)  # 40 tokens
+    prefix = bench.prefix_repetition("prefix", 2, 1, 3, 2, 5, 100, 0)  # 10 tokens
+    offline = {"engine_s": 2.0, "engine_prefix_s": 2.0}  # 20 and 5 tok/s
+    figures = {"output_throughput": 18.0, "median_ttft_ms": 50.0, "median_tpot_ms": 20.0,
+               "cpu_ms_per_token": {"engine": 3.0, "proxy": 0.25}}
+    vllm = {"burst": {**figures, "output_throughput": 15.0}, "prefix": {**figures, "output_throughput": 4.0},
+            "stream": figures, "prefix@3/s": {**figures, "median_ttft_ms": 60.0, "median_tpot_ms": 10.0}}
+    servers = {"prefixserve direct": {**{name: figures for name in vllm},
+                                      "prefix": {**figures, "output_throughput": 4.0}}}
+    lines = bench.verdict(servers | {"vLLM": vllm}, offline, burst, prefix, None, "prefix@3/s")
+    assert lines == [
+        "- prefixserve direct, burst: served / offline 0.90 (met: 0.9)",
+        "- prefixserve direct, prefix: served / offline 0.80 (not met: 0.9)",
+        *[f"- prefixserve direct, {w}: 0.25 CPU ms per token outside the busiest process (met: 0.3)"
+          for w in ("burst", "prefix", "stream", "prefix@3/s")],
+        "- prefixserve direct, burst: 1.20x vLLM's output tok/s (met: 1.2x)",
+        "- prefixserve direct, prefix: 1.00x vLLM's output tok/s (not met: 1.2x)",
+        "- prefixserve direct, stream: 1.00x vLLM's output tok/s (not met: 1.2x)",
+        "- prefixserve direct, prefix@3/s median_ttft_ms: 50.0 against vLLM's 60.0 (met: no worse)",
+        "- prefixserve direct, prefix@3/s median_tpot_ms: 20.0 against vLLM's 10.0 (not met: no worse)"]
+    lines = bench.verdict(servers, offline, burst, prefix, "vLLM skipped: no AVX-512", "prefix@3/s")
+    assert lines[-1].endswith("not checkable here. vLLM skipped: no AVX-512.")
+    assert len(lines) == 7
 
 
 def test_the_offline_rows_set_each_all_at_once_workload_against_the_engine_on_its_own_prompts():
@@ -96,17 +110,21 @@ def test_the_offline_rows_set_each_all_at_once_workload_against_the_engine_on_it
     served = {"burst": {**figures, "output_throughput": 16.0, "cpu_ms_per_token": {"engine": 2.0, "proxy": 0.5}},
               "prefix": {**figures, "output_throughput": 4.0, "cpu_ms_per_token": {"engine": 3.0}}}
     offline = {"engine_s": 2.0, "engine_prefix_s": 2.0, "projections_s": 1.0, "startup_s": 3.0}
-    rows = bench.table(served, None, offline, burst, prefix)
+    direct = {workload: {**figures, "output_throughput": 2 * figures["output_throughput"]}
+              for workload, figures in served.items()}
+    rows = bench.table({"prefixserve ingress": served, "prefixserve direct": direct}, offline, burst, prefix)
     cpu = rows.index("") + 1
-    assert rows[cpu:cpu + 5] == [
+    assert rows[cpu:cpu + 6] == [
         "| CPU ms per output token | process | burst | prefix |", "|---|---|---:|---:|",
-        "| prefixserve | all | 2.50 | 3.00 |", "| prefixserve | engine | 2.00 | 3.00 |",
-        "| prefixserve | proxy | 0.50 | 0.00 |"]
-    assert rows[cpu + 6:] == [
-        "| offline, all at once | prompts | time s | output tok/s | served / this |", "|---|---|---:|---:|---:|",
-        "| engine (LLM.generate) | burst | 2.00 | 20.0 | 0.80 |",
-        "| engine (LLM.generate) | prefix | 2.00 | 5.0 | 0.80 |",
-        "| projections alone | burst | 1.00 | 40.0 | 0.40 |"]
+        "| prefixserve ingress | all | 2.50 | 3.00 |", "| prefixserve ingress | all but the busiest | 0.50 | 0.00 |",
+        "| prefixserve ingress | engine | 2.00 | 3.00 |", "| prefixserve ingress | proxy | 0.50 | 0.00 |"]
+    offline_rows = rows[rows.index("", cpu) + 1:]
+    assert offline_rows == [
+        "| offline, all at once | prompts | time s | output tok/s | prefixserve ingress / this | "
+        "prefixserve direct / this |", "|---|---|---:|---:|---:|---:|",
+        "| engine (LLM.generate) | burst | 2.00 | 20.0 | 0.80 | 1.60 |",
+        "| engine (LLM.generate) | prefix | 2.00 | 5.0 | 0.80 | 1.60 |",
+        "| projections alone | burst | 1.00 | 40.0 | 0.40 | 0.80 |"]
 
 
 def test_cpu_per_token_adds_up_each_kind_of_process_and_counts_a_new_one_from_zero():
@@ -132,11 +150,12 @@ def test_processes_are_named_by_what_they_run(cmdline, label):
     assert bench.process_label(cmdline) == label
 
 
-def test_prefixserve_is_served_with_the_stream_interval_and_engine_core_asked_for():
+def test_prefixserve_is_served_with_the_stream_interval_front_door_and_engine_core_asked_for():
     args = argparse.Namespace(threads=2, stream_interval_s=0.25, model=None, dtype="bfloat16", device=None,
                               engine_core=None)
-    command = bench.prefixserve_command(args, port=8100)
+    command = bench.prefixserve_command(args, port=8100, front_door="direct")
     assert command[1:] == ["-m", "cluster.cli", "serve", "--replicas", "1", "--replica-cpus", "2", "--host",
-                           "127.0.0.1", "--port", "8100", "--stream-interval-s", "0.25", "--dtype", "bfloat16"]
+                           "127.0.0.1", "--port", "8100", "--stream-interval-s", "0.25", "--front-door", "direct",
+                           "--dtype", "bfloat16"]
     args.engine_core = "process"
-    assert bench.prefixserve_command(args, port=8100)[-2:] == ["--engine-core", "process"]
+    assert bench.prefixserve_command(args, port=8100, front_door="ingress")[-2:] == ["--engine-core", "process"]
