@@ -3,14 +3,15 @@ that also serves the OpenAI API itself (the direct front door)."""
 import asyncio
 import dataclasses
 import functools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from ray import serve
 
 from cluster.api import build_api
 from cluster.config import ClusterConfig
-from cluster.engine_client import EnginesBusy, ReplicaLost
+from cluster.engine_client import EngineClient, EnginesBusy, ReplicaLost
 from cluster import front_router
+from cluster.ingress import ServeEngineClient
 from cluster.metrics import ServingMetrics
 from cluster.publisher import RouterPublisher
 from cluster.serving import OpenAIServing
@@ -79,22 +80,35 @@ class EngineReplica:
 class DirectEngineReplica(EngineReplica):
     """HAProxy forwards it the requests its FrontRouter sent here: it prepares them again (the router kept only
     its decision) and streams their tokens straight back. A request it has no room for (max_num_seqs +
-    max_waiting_requests under way) gets 429. No migration: the client's connection ends with this process."""
+    max_waiting_requests under way) gets 429. A request whose engine core dies under this process moves to
+    another replica (migration), its tokens relayed through here; the client's connection ends with the process."""
 
     async def __init__(self, config: ClusterConfig):
         await super().__init__(config)
         checkpoint = await asyncio.to_thread(load_checkpoint, config.engine.model)
         self._metrics = ServingMetrics()
-        client = LocalEngineClient(self, config.engine.scheduler.max_num_seqs + config.max_waiting_requests)
-        self._serving = OpenAIServing(client, checkpoint.tokenizer, self.model_info(), self._metrics)
+        context = serve.get_replica_context()
+        self._by_reference = config.engine_transport == "ray"
+        client = LocalEngineClient(self, config.engine.scheduler.max_num_seqs + config.max_waiting_requests,
+                                   elsewhere=self._other_replicas)
+        self._serving = OpenAIServing(client, checkpoint.tokenizer, self.model_info(), self._metrics,
+                                      max_migrations=config.max_migrations)
         self._api_key = config.resolved_api_key()
         self._max_body_bytes = config.max_request_body_bytes
-        self._router = serve.get_deployment_handle(front_router.DEPLOYMENT_NAME,
-                                                   serve.get_replica_context().app_name)
+        self._router = serve.get_deployment_handle(front_router.DEPLOYMENT_NAME, context.app_name)
 
     def __serve_build_asgi_app__(self):
         return build_api(self._serving, render_metrics=self._render_metrics, api_key=self._api_key,
-                         max_body_bytes=self._max_body_bytes, routed_request_id_header=front_router.ROUTED_REQUEST_ID_HEADER)
+                         max_body_bytes=self._max_body_bytes,
+                         routed_request_id_header=front_router.ROUTED_REQUEST_ID_HEADER)
+
+    @functools.cache
+    def _other_replicas(self) -> ServeEngineClient:
+        """The engine deployment through a handle of this process, whose router sends a request anywhere but where
+        it was lost; made at the first migration (its router then follows the feed as an ingress's does)."""
+        context = serve.get_replica_context()
+        return ServeEngineClient(serve.get_deployment_handle(context.deployment, context.app_name),
+                                 by_reference=self._by_reference)
 
     async def _render_metrics(self) -> bytes:
         """The series of the requests this replica served, and a router's view; its own alone if none answers."""
@@ -106,14 +120,20 @@ class DirectEngineReplica(EngineReplica):
 
 
 class LocalEngineClient:
-    """An engine replica's own engine as serving's EngineClient, taking at most max_requests at once."""
+    """An engine replica's own engine as serving's EngineClient, taking at most max_requests at once; a request lost
+    on a replica (a migration) goes to elsewhere()."""
 
-    def __init__(self, replica: EngineReplica, max_requests: int):
+    def __init__(self, replica: EngineReplica, max_requests: int, *, elsewhere: Callable[[], EngineClient]):
         self._replica = replica
         self._max_requests = max_requests
         self._num_requests = 0
+        self._elsewhere = elsewhere
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        if request.lost_on is not None:
+            async for output in self._elsewhere().generate(request):
+                yield output
+            return
         if self._num_requests >= self._max_requests:
             raise EnginesBusy(RETRY_AFTER_S)
         self._num_requests += 1

@@ -30,11 +30,12 @@ class MigratingEngineClient:
 
     async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
         output_token_ids: list[int] = []
-        attempt, num_migrations = request, 0
+        attempt, num_migrations, replica_id = request, 0, None
         while True:
             try:
                 async with contextlib.aclosing(self._engine.generate(attempt)) as outputs:
                     async for output in outputs:
+                        replica_id = output.replica_id or replica_id
                         output_token_ids += output.new_token_ids
                         yield output
                 return
@@ -45,12 +46,13 @@ class MigratingEngineClient:
                 logger.warning("request %s lost its replica after %d tokens (%s); migration %d of %d",
                                request.request_id, len(output_token_ids), exc, num_migrations, self._max_migrations)
                 self._on_migrate()
-                attempt = self._continuation(request, output_token_ids)
+                attempt = self._continuation(request, output_token_ids, replica_id)
 
-    def _continuation(self, request: EngineRequest, output_token_ids: list[int]) -> EngineRequest:
-        """The request as another replica takes it up once output_token_ids are produced."""
+    def _continuation(self, request: EngineRequest, output_token_ids: list[int], lost_on: str | None
+                      ) -> EngineRequest:
+        """The request as another replica than lost_on takes it up once output_token_ids are produced."""
         block_hashes = request.block_hashes + hash_token_blocks(
             request.prompt_token_ids + output_token_ids, self._model.block_size, cache_salt=request.cache_salt,
             seed=self._model.hash_seed, parent_hashes=request.block_hashes)
         return dataclasses.replace(request, output_token_ids=list(output_token_ids), block_hashes=block_hashes,
-                                   route_to=None)
+                                   route_to=None, lost_on=lost_on)

@@ -45,6 +45,7 @@ class EngineRequest:
     last_turn: bool = False  # the program's last: under the continuum policy, nothing to pin its blocks for
     output_token_ids: list[int] = field(default_factory=list)  # generated on a replica that was lost
     route_to: str | None = None  # the replica it goes to if still there (a later choice of n: its first's); else routed
+    lost_on: str | None = None  # the replica it was lost on (a migrated request): routed anywhere else there is
 
     @property
     def num_tokens(self) -> int:

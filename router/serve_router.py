@@ -24,6 +24,7 @@ class Routable(Protocol):
     block_hashes: list[BlockHash]  # of those tokens' full blocks
     session_id: str | None
     route_to: str | None  # the replica it must go to while it is there
+    lost_on: str | None  # the replica it must not go back to, unless it is the only one
 
 
 class PrefixAwareRequestRouter(RequestRouter):
@@ -41,6 +42,9 @@ class PrefixAwareRequestRouter(RequestRouter):
         if request is None or not candidate_replicas:
             return [candidate_replicas]
         by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
+        if request.lost_on in by_id and len(by_id) > 1:
+            lost = by_id.pop(request.lost_on)
+            candidate_replicas = [replica for replica in candidate_replicas if replica is not lost]
         decision = self._following.choose(request.request_id, request.block_hashes, list(by_id),
                                           num_prompt_tokens=request.num_tokens, session_id=request.session_id,
                                           route_to=request.route_to)

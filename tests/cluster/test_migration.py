@@ -48,6 +48,7 @@ def test_a_stream_whose_replica_is_lost_goes_on_elsewhere_as_if_undisturbed():
     assert second.output_token_ids == [100, 101]  # they count against max_tokens: 3 more to go
     assert second.block_hashes == hash_token_blocks(prompt + [100, 101], BLOCK_SIZE, cache_salt="s", seed=HASH_SEED)
     assert len(second.block_hashes) == 3
+    assert (first.lost_on, second.lost_on) == (None, "replica-a")  # routed anywhere but where it was lost
     assert "prefixserve:request_migrations_total 1.0" in metrics.splitlines()
 
 

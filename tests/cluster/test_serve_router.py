@@ -135,6 +135,21 @@ def test_a_request_routed_to_a_replica_puts_it_first_and_books_it_there():
     assert feed.bookings == [SharedBooking("req-1", "c", REQUEST.block_hashes, 4, "chat-1")]
 
 
+def test_a_migrated_request_goes_anywhere_but_the_replica_it_was_lost_on_unless_that_is_the_only_one():
+    feed = FakeFeed()
+    request = replace(REQUEST, prompt_token_ids=list(range(8)), block_hashes=chain(1, 2), lost_on="b")
+
+    async def test(router, replicas):
+        feed.owner.publish("b", 1, [stored(chain(1, 2))], stats(), [])  # b caches all of it
+        await synced(router)
+        return (await router.choose_replicas(replicas, FakePendingRequest([request])),
+                await router.choose_replicas(replicas[1:2], FakePendingRequest([request])))
+
+    elsewhere, alone = run(test, feed)
+    assert ids(elsewhere) == [["a"], ["c"]]
+    assert ids(alone) == [["b"], []]
+
+
 def test_a_booking_reaches_the_feed_while_the_sync_is_held():
     feed = FakeFeed(hold=True)
 
