@@ -8,9 +8,9 @@ from ray.serve import Application
 from ray.serve.config import BackpressureConfig, RequestRouterConfig
 from ray.serve.schema import LoggingConfig
 
+from cluster import front_router
 from cluster.config import ClusterConfig
 from cluster.engine_replica import RETRY_AFTER_S, DirectEngineReplica, EngineReplica
-from cluster import front_router
 from cluster.ingress import Ingress
 from router.serve_router import PrefixAwareRequestRouter
 

@@ -7,10 +7,10 @@ from collections.abc import AsyncIterator, Callable
 
 from ray import serve
 
+from cluster import front_router
 from cluster.api import build_api
 from cluster.config import ClusterConfig
 from cluster.engine_client import EngineClient, EnginesBusy, ReplicaLost
-from cluster import front_router
 from cluster.ingress import ServeEngineClient
 from cluster.metrics import ServingMetrics
 from cluster.publisher import RouterPublisher
