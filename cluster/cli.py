@@ -236,6 +236,7 @@ def _serve_on_a_local_cluster(config, host: str, port: int) -> None:
         sys.exit(f"prefixserve: {host}:{port} is already in use (another server listens there): "
                  "stop it or choose another --port")
     init_local_ray(_local_num_cpus(config))
+    _stop_on_sigterm()
     try:
         serve.start(http_options={"host": host, "port": port})
         _run_until_interrupted(config, host, port)
@@ -253,6 +254,7 @@ def _serve_on_a_joined_cluster(config, address: str, host: str, port: int) -> No
     from cluster.app import APP_NAME
 
     ray.init(address=address)
+    _stop_on_sigterm()
     try:
         serve.start(http_options={"host": host, "port": port})
         _refuse_to_share_serve(host, port)
@@ -331,8 +333,17 @@ def main(argv: list[str] | None = None) -> int:
         config = config_from_args(args)
     except pydantic.ValidationError as exc:
         parser.error(describe(exc))
-    serve_until_interrupted(config, address=args.address, host=args.host, port=args.port)
+    try:
+        serve_until_interrupted(config, address=args.address, host=args.host, port=args.port)
+    except KeyboardInterrupt:  # stopped while starting: what had started is shut down on the way out
+        pass
     return 0
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM stops it as Ctrl-C does, also while it starts (Ray's init sets a handler that aborts the process);
+    once it serves, _wait_for_signal takes both signals."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
 
 
 if __name__ == "__main__":

@@ -116,3 +116,23 @@ def _listening(process: psutil.Process) -> list:
         return [conn for conn in process.net_connections(kind="tcp") if conn.status == psutil.CONN_LISTEN]
     except psutil.NoSuchProcess:
         return []
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_while_it_starts_shuts_down_what_had_started(signum):
+    server = Server(free_port())
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not any("Deploying new version of Deployment" in line for line in server.lines):
+            assert time.monotonic() < deadline and server.process.poll() is None, "".join(server.lines[-40:])
+            time.sleep(0.1)
+        descendants = psutil.Process(server.process.pid).children(recursive=True)
+        server.process.send_signal(signum)
+        assert server.process.wait(SHUTDOWN_TIMEOUT_S) == 0
+    finally:
+        if server.process.poll() is None:
+            server.process.kill()
+    _, alive = psutil.wait_procs(descendants, timeout=30)
+    assert [process.pid for process in alive] == []
+    assert "prefixserve: shutting down\n" in server.lines
+    assert not any(line.startswith("Traceback") for line in server.lines), "".join(server.lines)
