@@ -2,16 +2,16 @@
 import torch
 
 from kernels.attention import num_queries_per_kv
-from kernels.cpu.library import HEAD_DIMS, dtype_code, load
-from kernels.layout import check_last_dim_contiguous, check_on_cpu, dense_like
+from kernels.cpu.library import HEAD_DIMS, load, operand_dtype_code
+from kernels.layout import check_on_cpu, dense_like
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """query [T, Hq, D], caches [num_blocks, block_size, Hkv, D] -> out [T, Hq, D]."""
-    check_on_cpu(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables)
-    check_last_dim_contiguous(query=query, key_cache=key_cache, value_cache=value_cache)
+    code = operand_dtype_code({"query": query, "key_cache": key_cache, "value_cache": value_cache})
+    check_on_cpu(block_tables=block_tables, query_start_loc=query_start_loc, seq_lens=seq_lens)
     if key_cache.stride() != value_cache.stride():
         raise ValueError("key_cache and value_cache must have the same layout")
     num_queries_per_kv(query, key_cache)
@@ -22,7 +22,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         tensor.to(torch.int32).contiguous() for tensor in (block_tables, query_start_loc, seq_lens))
     out = dense_like(query)
     load().paged_attention(
-        dtype=dtype_code(query, key_cache, value_cache), out=out, query=query, key_cache=key_cache,
+        dtype=code, out=out, query=query, key_cache=key_cache,
         value_cache=value_cache, block_tables=block_tables, query_start_loc=query_start_loc, seq_lens=seq_lens,
         num_reqs=seq_lens.shape[0], num_heads=query.shape[1], num_kv_heads=key_cache.shape[2], head_dim=head_dim,
         block_size=key_cache.shape[1], stride_query_token=query.stride(0), stride_query_head=query.stride(1),

@@ -1,18 +1,17 @@
 """CPU: scatter new tokens' K/V into the paged cache (csrc/cache_write.cpp)."""
 import torch
 
-from kernels.cpu.library import dtype_code, load
-from kernels.layout import check_last_dim_contiguous, check_on_cpu
+from kernels.cpu.library import load, operand_dtype_code
+from kernels.layout import check_on_cpu
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                    value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """key/value [T, Hkv, D] -> key_cache/value_cache [num_blocks, block_size, Hkv, D], in place."""
-    check_on_cpu(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping)
-    check_last_dim_contiguous(key=key, value=value, key_cache=key_cache, value_cache=value_cache)
+    operand_dtype_code({"key": key, "value": value, "key_cache": key_cache, "value_cache": value_cache})
+    check_on_cpu(slot_mapping=slot_mapping)
     if key_cache.stride() != value_cache.stride():
         raise ValueError("key_cache and value_cache must have the same layout")
-    dtype_code(key, value, key_cache, value_cache)
     slot_mapping = slot_mapping.to(torch.int64).contiguous()
     num_tokens, num_kv_heads, head_dim = key.shape
     size = key.element_size()

@@ -9,6 +9,7 @@ import ctypes
 import functools
 import hashlib
 import logging
+import operator
 import os
 import platform
 import re
@@ -19,6 +20,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+
+from kernels.layout import check_last_dim_contiguous, check_on_cpu
 
 logger = logging.getLogger(__name__)
 SOURCE_DIR = Path(__file__).parent / "csrc"
@@ -42,7 +45,8 @@ class Kernel:
     def __init__(self, function: ctypes._CFuncPtr, restype: str, params: list[tuple[str, str]]):
         self.name, self.arg_names = function.__name__, [name for _, name in params]
         self._arg_set = frozenset(self.arg_names)  # checked on every call: a layer calls each kernel per step
-        self._pointers = {name for c_type, name in params if "*" in c_type}
+        self._in_order = operator.itemgetter(*self.arg_names)
+        self._pointer_at = [i for i, (c_type, _) in enumerate(params) if "*" in c_type]
         function.restype = _C_TYPES[restype]
         function.argtypes = [ctypes.c_void_p if "*" in c_type else _C_TYPES[c_type] for c_type, _ in params]
         self._function = function
@@ -51,8 +55,11 @@ class Kernel:
         if args.keys() != self._arg_set:
             raise TypeError(f"{self.name} takes {self.arg_names}; missing {sorted(self._arg_set - args.keys())}, "
                             f"unknown {sorted(args.keys() - self._arg_set)}")
-        return self._function(*(args[name].data_ptr() if name in self._pointers and args[name] is not None
-                                else args[name] for name in self.arg_names))
+        values = list(self._in_order(args))  # every kernel takes several parameters: a tuple
+        for i in self._pointer_at:
+            if values[i] is not None:
+                values[i] = values[i].data_ptr()
+        return self._function(*values)
 
 
 @functools.cache
@@ -96,12 +103,17 @@ def available() -> bool:
     return True
 
 
-def dtype_code(*tensors: torch.Tensor) -> int:
-    """The element type all tensors share, as the kernels name it; ValueError otherwise."""
-    dtypes = {tensor.dtype for tensor in tensors}
-    if len(dtypes) != 1 or (dtype := dtypes.pop()) not in DTYPE_CODES:
+def operand_dtype_code(operands: dict[str, torch.Tensor]) -> int:
+    """The element type of operands that must all be CPU tensors, dense in their last dimension (the
+    kernels index it directly) and of one dtype, as the kernels name it; ValueError otherwise. Cheap when
+    they are: every layer checks its operands on every kernel call of every step."""
+    if not all(tensor.is_cpu and tensor.stride(-1) == 1 for tensor in operands.values()):
+        check_on_cpu(**operands)  # raises, naming the tensor
+        check_last_dim_contiguous(**operands)
+    dtype = next(iter(operands.values())).dtype
+    if dtype not in DTYPE_CODES or any(tensor.dtype != dtype for tensor in operands.values()):
         raise ValueError(f"the CPU kernels take one dtype of {sorted(map(str, DTYPE_CODES))}, got "
-                         f"{sorted(str(tensor.dtype) for tensor in tensors)}")
+                         f"{ {name: str(tensor.dtype) for name, tensor in operands.items()} }")
     return DTYPE_CODES[dtype]
 
 

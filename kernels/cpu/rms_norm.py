@@ -1,18 +1,18 @@
 """CPU: RMSNorm with an optional fused residual add (csrc/rms_norm.cpp)."""
 import torch
 
-from kernels.cpu.library import dtype_code, load
-from kernels.layout import check_last_dim_contiguous, check_on_cpu, dense_like
+from kernels.cpu.library import load, operand_dtype_code
+from kernels.layout import dense_like
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x [T, H], weight [H] -> out; with residual: (norm(x + residual), x + residual)."""
-    inputs = {"x": x, "weight": weight} | ({} if residual is None else {"residual": residual})
-    check_on_cpu(**inputs)
-    check_last_dim_contiguous(**inputs)
-    code = dtype_code(*inputs.values())
+    operands = {"x": x, "weight": weight}
+    if residual is not None:
+        operands["residual"] = residual
+    code = operand_dtype_code(operands)
     if weight.shape != x.shape[1:] or (residual is not None and residual.shape != x.shape):
         raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)} and residual "
                          f"{None if residual is None else tuple(residual.shape)} do not match")

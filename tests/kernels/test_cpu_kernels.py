@@ -60,6 +60,15 @@ def test_rms_norm_rejects_mismatched_weight():
         cpu_ops.rms_norm(torch.randn(2, 8), torch.randn(4), 1e-5)
 
 
+def test_kernels_name_the_operand_they_reject():
+    with pytest.raises(ValueError, match=r"x must be contiguous in its last dimension, got strides \(1, 2\)"):
+        cpu_ops.rms_norm(torch.randn(8, 2).t(), torch.randn(8), 1e-5)
+    with pytest.raises(ValueError, match="the CPU kernels take CPU tensors; gate_up is on meta"):
+        cpu_ops.silu_and_mul(torch.empty(2, 8, device="meta"))
+    with pytest.raises(ValueError, match=r"one dtype .* got \{'x': 'torch.float32', 'weight': 'torch.float64'\}"):
+        cpu_ops.rms_norm(torch.randn(2, 8), torch.randn(8).double(), 1e-5)
+
+
 def test_library_builds_once_per_cache_dir(tmp_path):
     code = ("from kernels.cpu import library; import sys; library.load(); "
             "print(sorted(p.name for p in library._cache_dir().iterdir()))")
