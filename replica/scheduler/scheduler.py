@@ -238,8 +238,9 @@ class Scheduler:
             request = self.loading.pop(load.request_id, None)
             if request is None:  # aborted while it loaded
                 continue
-            self.kv_cache_manager.finish_load(request, num_loaded.get(load.request_id, 0))
-            self.host_pool_hits += num_loaded.get(load.request_id, 0) * self.kv_cache_manager.block_size
+            loaded = num_loaded.get(load.request_id, 0)
+            self.kv_cache_manager.finish_load(request, loaded)
+            self.host_pool_hits += loaded * self.kv_cache_manager.block_size
             self.waiting.prepend(request)
         self._load_rate.loaded(sum(len(load.slots) for load in loads) * self.kv_cache_manager.block_size, load_s)
 
