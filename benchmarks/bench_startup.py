@@ -55,7 +55,8 @@ def time_to_first_answer(port: int, checkout: str | None = None, timeout_s: floa
                     log.seek(0)
                     raise RuntimeError(f"the server exited with {process.returncode}:\n{log.read().decode()[-3000:]}")
                 try:
-                    response = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=30, json={
+                    # a short timeout: Serve's proxy may hold a request sent before the app is ready for long
+                    response = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=2, json={
                         "model": "SmolLM2-135M-Instruct", "max_tokens": 1,
                         "messages": [{"role": "user", "content": "Hi"}]})
                     if response.status_code == 200:
