@@ -1,5 +1,7 @@
 """`prefixserve serve`: start (or join) a Ray cluster and serve the OpenAI API until interrupted."""
 import argparse
+import contextlib
+import importlib
 import math
 import os
 import signal
@@ -235,6 +237,7 @@ def _serve_on_a_local_cluster(config, host: str, port: int) -> None:
     if is_listened_on(host, port):
         sys.exit(f"prefixserve: {host}:{port} is already in use (another server listens there): "
                  "stop it or choose another --port")
+    _import_the_app_meanwhile()
     init_local_ray(_local_num_cpus(config))
     _stop_on_sigterm()
     try:
@@ -253,6 +256,7 @@ def _serve_on_a_joined_cluster(config, address: str, host: str, port: int) -> No
 
     from cluster.app import APP_NAME
 
+    _import_the_app_meanwhile()
     ray.init(address=address)
     _stop_on_sigterm()
     try:
@@ -338,6 +342,15 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # stopped while starting: what had started is shut down on the way out
         pass
     return 0
+
+
+def _import_the_app_meanwhile() -> None:
+    """Import the app's modules (torch among them, 2 s) in a thread while Ray starts, which keeps one core of
+    two busy; deploying imports them again, from sys.modules, or raises what failed here."""
+    def import_app():
+        with contextlib.suppress(Exception):
+            importlib.import_module("cluster.app")
+    threading.Thread(target=import_app, name="import-app", daemon=True).start()
 
 
 def _stop_on_sigterm() -> None:
