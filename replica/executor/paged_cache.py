@@ -2,6 +2,9 @@
 
 Under tensor parallelism each rank holds the KV heads of its own query heads: num_kv_heads is the rank's.
 """
+import math
+import mmap
+
 import torch
 
 from replica.executor.config import ModelConfig
@@ -26,5 +29,13 @@ def allocate_kv_caches(config: ModelConfig, num_blocks: int, block_size: int, dt
                        device: torch.device, tp_size: int = 1) -> list[KVCache]:
     # zeros, not empty: padded attention reads masked slots, and 0 * NaN garbage would be NaN
     shape = (num_blocks, block_size, num_kv_heads_per_rank(config, tp_size), config.head_dim)
-    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(config.num_layers)]
+    return [(_zeros(shape, dtype, device), _zeros(shape, dtype, device)) for _ in range(config.num_layers)]
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """On the CPU, zeros from an anonymous memory map, whose pages the kernel hands out zeroed when they are
+    first touched: torch.zeros writes every page at start-up, about 5 s for an engine replica's 1 GiB while
+    another replica starts beside it on 2 vCPUs (a VM's first touch is slow)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.frombuffer(mmap.mmap(-1, math.prod(shape) * dtype.itemsize), dtype=dtype).view(shape)
