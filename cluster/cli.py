@@ -256,7 +256,6 @@ def _serve_on_a_joined_cluster(config, address: str, host: str, port: int) -> No
 
     from cluster.app import APP_NAME
 
-    _import_the_app_meanwhile()
     ray.init(address=address)
     _stop_on_sigterm()
     try:
