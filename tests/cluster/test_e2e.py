@@ -151,6 +151,14 @@ def metric_values(base_url: str, name: str) -> dict[str, float]:
     return {m[1]: float(m[2]) for m in re.finditer(rf'^prefixserve:{name}{{replica="([^"]+)"}} (\S+)$', text, re.M)}
 
 
+def until_equal(read, expected, timeout_s: float = 30.0):
+    """Metrics follow the engines' reports, which reach a router a moment after the requests they count."""
+    deadline = time.monotonic() + timeout_s
+    while (value := read()) != expected:
+        assert time.monotonic() < deadline, (value, expected)
+        time.sleep(0.5)
+
+
 def test_a_client_that_disconnects_frees_its_blocks(base_url):
     with httpx.stream("POST", f"{base_url}/v1/completions", timeout=60, json={
             "model": MODEL, "prompt": PREFIXES["astronomy"], "max_tokens": 200, "stream": True,

@@ -1,14 +1,14 @@
 """The real app with the node's KV pool (`--kv-host-pool-gib`): 2 engine replicas on this one node share it.
 Round-robin routing sends a prompt's second request to the replica that did not compute it: that one loads
 the prompt's blocks from the pool, and a stream whose replica is killed goes on from the pool on the other."""
-import time
 
 import httpx
 import pytest
 
 from cluster.config import ClusterConfig
 from cluster.protocol import REPLICA_HEADER
-from tests.cluster.test_e2e import BLOCK_SIZE, ENGINE, MODEL, PREFIXES, metric_values, served, stream_killing_its_replica
+from tests.cluster.test_e2e import (BLOCK_SIZE, ENGINE, MODEL, PREFIXES, metric_values, served,
+                                   stream_killing_its_replica, until_equal)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -26,13 +26,6 @@ def complete(base_url: str, body: dict) -> tuple[str, dict]:
     response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     return response.headers[REPLICA_HEADER], response.json()
-
-
-def until_equal(read, expected, timeout_s: float = 30.0):
-    deadline = time.monotonic() + timeout_s
-    while (value := read()) != expected:
-        assert time.monotonic() < deadline, (value, expected)
-        time.sleep(0.5)
 
 
 def test_a_prompt_one_replica_computed_is_loaded_from_the_pool_by_the_other(base_url):
