@@ -30,12 +30,13 @@ import xxhash
 from ray.actor import ActorHandle
 
 from router.feed import Booked, Entry, FeedingRouter, FeedUpdate, SharedBooking
+from router.messages import BlockHash, PullSource
 from router.policy import PolicyConfig
 from router.wire import FeedConnection, FeedServer
 
 NAMESPACE = "prefixserve"
 Result = TypeVar("Result")
-FEED_METHODS = frozenset({"publish", "resync", "remove_replica", "follow", "share"})
+FEED_METHODS = frozenset({"publish", "resync", "remove_replica", "follow", "share", "serve_pool", "pull_source"})
 
 
 class RouterActor(FeedingRouter):
@@ -63,6 +64,15 @@ class RouterActor(FeedingRouter):
 
     def remove_replica(self, replica_id: str) -> None:
         self._recording(super().remove_replica, replica_id)
+
+    def serve_pool(self, replica_id: str, address: tuple[str, int]) -> None:
+        with self._news:
+            super().serve_pool(replica_id, address)
+
+    def pull_source(self, replica_id: str, block_hashes: list[BlockHash],
+                    pull_seconds_per_token: float | None) -> PullSource | None:
+        with self._news:
+            return super().pull_source(replica_id, block_hashes, pull_seconds_per_token)
 
     def share(self, follower: str, bookings: list[SharedBooking]) -> None:
         """Bookings as a follower makes them: the others' held syncs return with them at once."""

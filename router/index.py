@@ -116,12 +116,13 @@ class BlockIndex:
                 del booked[block_hash]
                 _drop_bit(self._booked, block_hash, mask)
 
-    def match(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
-        """Replica -> how many leading blocks of the chain it holds; replicas holding none are omitted."""
+    def match(self, block_hashes: Sequence[BlockHash], *, booked: bool = True) -> dict[str, int]:
+        """Replica -> how many leading blocks of the chain it holds (or, if booked, will compute for a request
+        routed to it); replicas holding none are omitted."""
         matched: dict[str, int] = {}
         if block_hashes:
             self._match_stored(block_hashes, matched)
-            if self._booked:
+            if booked and self._booked:
                 self._match_booked(block_hashes, matched)
         return matched
 

@@ -6,7 +6,7 @@ from replica.kv_cache import AllBlocksCleared, BlockHash, BlockRemoved, BlockSto
 from replica.scheduler import SchedulerStats
 
 __all__ = ["AllBlocksCleared", "BlockHash", "BlockRemoved", "BlockStored", "FinishedRequest", "KVEvent",
-           "ReplicaSnapshot", "ReplicaState", "RouterSnapshot", "RoutingDecision", "SchedulerStats"]
+           "PullSource", "ReplicaSnapshot", "ReplicaState", "RouterSnapshot", "RoutingDecision", "SchedulerStats"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +20,14 @@ class RoutingDecision:
     replica_id: str
     matched_blocks: int
     outcome: str  # "prefix_hit", "no_hit", "spill", "round_robin", "least_loaded", "directed", "fallback" or "booked"
+
+
+@dataclass(frozen=True, slots=True)
+class PullSource:
+    """Where a replica pulls the blocks of a chain its node lacks from: the pool server of another node."""
+    address: tuple[str, int]
+    start: int       # the chain's first block to pull: the replica's node holds those before it
+    num_blocks: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -75,6 +75,9 @@ class PolicyConfig(pydantic.BaseModel):
     of a computed one."""
     unmeasured_load_token_cost: float = pydantic.Field(0.25, ge=0, le=1)
     """A loaded token's cost on a replica that has not measured it yet (no load, or no step, so far)."""
+    unmeasured_pull_token_cost: float = pydantic.Field(0.5, ge=0, le=1)
+    """A token pulled from another node's pool costs the pulling replica this share of computing it until it has
+    measured both (its pulls' time per token against its recent compute rate)."""
     session_ttl_s: float = pydantic.Field(30.0, gt=0)
     """How long a session parked between turns keeps counting on its replica."""
     booking_ttl_s: float = pydantic.Field(60.0, gt=0)
@@ -173,6 +176,14 @@ class PrefixPolicy:
             return 1.0 - config.host_hit_credit
         measured = candidate.load_token_cost
         return config.unmeasured_load_token_cost if measured is None else min(measured, 1.0)
+
+
+def pull_token_cost(config: PolicyConfig, pull_seconds_per_token: float | None,
+                    compute_seconds_per_token: float | None) -> float:
+    """A pulled token's cost as a share of a computed one's on the pulling replica."""
+    if not pull_seconds_per_token or not compute_seconds_per_token:
+        return config.unmeasured_pull_token_cost
+    return pull_seconds_per_token / compute_seconds_per_token
 
 
 class RoundRobinPolicy:

@@ -105,6 +105,7 @@ class SchedulerStats:
     # what a token loaded from the node's pool costs here, in tokens computed in the same time (recent loads against
     # recent steps); None until both were measured
     host_load_token_cost: float | None = None
+    compute_seconds_per_token: float | None = None  # its recent compute rate, with a node pool; None until measured
     num_prefill_tokens_pending: int = 0  # tokens of running and waiting requests still to prefill (or recompute)
     num_free_blocks: int = 0             # blocks a new request can take: free ones and evictable cached ones
     num_cached_blocks: int = 0           # blocks in the prefix cache's hash map: what the router's index mirrors

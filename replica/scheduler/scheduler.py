@@ -480,6 +480,7 @@ class Scheduler:
             prefix_cache_hits=self.prefix_cache_hits,
             host_pool_hits=self.host_pool_hits,
             host_load_token_cost=self._host_load_token_cost(),
+            compute_seconds_per_token=self._compute_seconds_per_token(),
             num_prefill_tokens_pending=sum(map(_prefill_tokens_pending, itertools.chain(self.running, self.waiting))),
             num_free_blocks=self.kv_cache_manager.block_pool.get_num_free_blocks(),
             num_cached_blocks=len(self.kv_cache_manager.block_pool.cached_block_hash_to_block),
@@ -489,8 +490,11 @@ class Scheduler:
                 num_accepted_tokens_per_pos=list(self.spec_decoding.num_accepted_tokens_per_pos)),
         )
 
+    def _compute_seconds_per_token(self) -> float | None:
+        return (self._compute_rate.seconds(1) if self._compute_rate is not None else 0.0) or None
+
     def _host_load_token_cost(self) -> float | None:
-        compute_s = self._compute_rate.seconds(1) if self._compute_rate is not None else 0.0
+        compute_s = self._compute_seconds_per_token()
         load_s = self._load_rate.seconds_per_token()
         return load_s / compute_s if compute_s and load_s is not None else None
 

@@ -6,6 +6,7 @@ from replica.kv_cache import AllBlocksCleared, BlockStored
 from replica.request import Request, SamplingParams
 from replica.scheduler import SchedulerStats
 from router import FinishedRequest, PolicyConfig, Router, RoutingDecision
+from router.messages import PullSource
 from router.policy import PrefixPolicy, RequestShape
 
 from tests.replica.scheduler_helpers import FakeClock, make_scheduler, step
@@ -476,3 +477,38 @@ def test_the_node_pools_blocks_reach_followers_through_replica_states():
     follower.resync(state.replica_id, state.seq, state.block_hashes, state.stats, [], state.host_block_hashes)
     assert follower.index.stored_hashes("a", "host") == chain(1, 2)
     assert follower.snapshot().replicas["a"].index_host_blocks == 2
+
+
+def pull_router(compute_seconds_per_token: float | None = None) -> Router:
+    """a and b on one node (one pool), c on another whose pool holds blocks 1-4 of the chain; a caches block 1
+    on its device and its node's pool holds block 2."""
+    router = make_router()
+    a_stats = stats()
+    a_stats.compute_seconds_per_token = compute_seconds_per_token
+    router.publish("a", 1, [stored(chain(1)), host_stored(chain(1, 2))], a_stats, [])
+    router.publish("b", 1, [host_stored(chain(1, 2))], stats(), [])
+    router.publish("c", 1, [host_stored(chain(1, 2, 3, 4))], stats(), [])
+    for replica_id, port in (("a", 1), ("b", 2), ("c", 3)):
+        router.serve_pool(replica_id, ("10.0.0.1", port))
+    return router
+
+
+def test_a_replica_pulls_what_neither_it_nor_its_node_holds_from_the_pool_holding_most_of_it():
+    router = pull_router()
+    assert router.pull_source("a", chain(1, 2, 3, 4, 5), None) == PullSource(("10.0.0.1", 3), 2, 2)
+    assert router.pull_source("a", chain(1, 2), None) is None  # its node holds it all
+    assert router.pull_source("a", chain(9, 10), None) is None  # nobody does
+
+
+def test_a_pull_happens_only_while_a_pulled_token_costs_less_than_a_computed_one():
+    router = pull_router(compute_seconds_per_token=0.002)
+    assert router.pull_source("a", chain(1, 2, 3, 4), 0.0019) == PullSource(("10.0.0.1", 3), 2, 2)
+    assert router.pull_source("a", chain(1, 2, 3, 4), 0.002) is None
+    router.remove_replica("c")
+    assert router.pull_source("a", chain(1, 2, 3, 4), 0.0001) is None
+
+
+def test_a_request_routed_to_a_replica_does_not_count_as_held_there_when_it_asks_to_pull():
+    router = pull_router()
+    router.choose("r", chain(1, 2, 3, 4), ["a"], num_prompt_tokens=16)
+    assert router.pull_source("a", chain(1, 2, 3, 4), None) == PullSource(("10.0.0.1", 3), 2, 2)
