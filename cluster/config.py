@@ -81,6 +81,9 @@ class ClusterConfig(pydantic.BaseModel):
     max_queued_requests: int = pydantic.Field(1024, ge=1)
     # Larger request bodies get 413.
     max_request_body_bytes: int = pydantic.Field(4 * 2**20, ge=1)
+    # The longest an engine replica waits for blocks it pulls from another node's pool (engine.cache.host_pool_gib);
+    # past it, or on any failure, it computes them.
+    pull_timeout_s: float = pydantic.Field(5.0, gt=0)
     # Times a request may move to another replica when its own dies mid-request; then it fails (0: never moves).
     max_migrations: int = pydantic.Field(2, ge=0)
 

@@ -5,6 +5,7 @@ import dataclasses
 import functools
 from collections.abc import AsyncIterator, Callable
 
+import ray
 from ray import serve
 
 from cluster import front_router
@@ -14,6 +15,7 @@ from cluster.engine_client import EngineClient, EnginesBusy, ReplicaLost
 from cluster.ingress import ServeEngineClient
 from cluster.metrics import ServingMetrics
 from cluster.publisher import RouterPublisher
+from cluster.pulls import PoolPuller
 from cluster.serving import OpenAIServing
 from cluster.tp_workers import RayExecutor
 from replica.async_engine import AsyncEngine, EngineOutput, EngineRequest, ModelInfo, ReplicaStats
@@ -30,19 +32,22 @@ ROUTER_SNAPSHOT_TIMEOUT_S = 2.0
 class EngineReplica:
     async def __init__(self, config: ClusterConfig):
         self._engine: AsyncEngine | ProcessEngine | None = None  # Serve may stop a replica while its model loads
+        self._puller: PoolPuller | None = None  # with a node pool: pulls from other nodes' pools, serves its own
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         engine_config = replica_engine_config(config)
-        self._publisher = RouterPublisher(
-            self.replica_id,
-            RouterClient(context.app_name, config.routing_config, engine_config.cache.block_size, create=False),
-            send_interval_s=config.publish_interval_s)
+        block_size = engine_config.cache.block_size
+        router = functools.partial(RouterClient, context.app_name, config.routing_config, block_size, create=False)
+        self._publisher = RouterPublisher(self.replica_id, router(), send_interval_s=config.publish_interval_s)
         if config.engine_core == "process" and engine_config.tensor_parallel_size == 1:
             self._engine = await ProcessEngine.start(core_of(engine_config), after_step=self._publisher.record)
         else:
             core = await asyncio.to_thread(EngineCore, engine_config, make_executor=RayExecutor)  # seconds
             self._engine = AsyncEngine(core, after_step=functools.partial(self._publisher.record, core))
         self._stream_interval_s = config.stream_interval_s
+        if (pool := self._engine.model_info().host_pool) is not None:
+            self._puller = PoolPuller(self.replica_id, pool, router(), block_size, config.pull_timeout_s)
+            self._publisher.pool_address = await self._puller.start()
 
     def model_info(self) -> ModelInfo:
         return self._engine.model_info()
@@ -50,6 +55,8 @@ class EngineReplica:
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         """The request's outputs, the first naming this replica; a caller going away aborts it."""
         num_cached_tokens = None
+        if self._puller is not None:
+            await self._puller.pull_for(request)
         try:
             async for output in self._engine.generate(request, self._stream_interval_s):
                 if num_cached_tokens is None:  # the first output
@@ -74,6 +81,8 @@ class EngineReplica:
         if self._engine is not None:
             await self._engine.shutdown()
             await self._publisher.close()
+        if self._puller is not None:
+            await self._puller.close()
 
 
 @serve.ingress()
@@ -147,9 +156,15 @@ class LocalEngineClient:
 
 
 def replica_engine_config(config: ClusterConfig) -> EngineConfig:
-    """The engine's config; a tensor-parallel replica's ranks hold its GPUs, so its own actor sees none."""
+    """The engine's config; a tensor-parallel replica's ranks hold its GPUs, so its own actor sees none, and a
+    pool path's "{node}" is this node's."""
     engine = config.engine
     if engine.tensor_parallel_size > 1 and engine.device is None and config.replica_num_gpus:
-        return engine.model_copy(update={"device": "cuda"})
+        engine = engine.model_copy(update={"device": "cuda"})
+    pool_path = engine.cache.host_pool_path
+    if pool_path is not None and "{node}" in pool_path:
+        cache = engine.cache.model_copy(update={
+            "host_pool_path": pool_path.replace("{node}", ray.get_runtime_context().get_node_id()[:16])})
+        engine = engine.model_copy(update={"cache": cache})
     return engine
 

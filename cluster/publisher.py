@@ -8,7 +8,8 @@ meanwhile goes as the next one, so a slow router or a busy engine sends fewer, l
 reply saying the router lost track (a gap, a router that restarted), a batch that failed, or a router
 that cannot be found makes the next batch a resync: the replica's full list of cached block hashes,
 read at the next step boundary, instead of events. An unreachable router is looked up again no
-sooner than retry_interval_s later.
+sooner than retry_interval_s later. A replica that serves its node's pool to other nodes tells each
+connection where, before its first batch.
 """
 import asyncio
 import logging
@@ -45,6 +46,8 @@ class RouterPublisher:
         self._resync_hashes: list[BlockHash] | None = None  # read: the next batch is a resync
         self._recorded = asyncio.Event()  # something to send since the sender last took a batch
         self._router_unreachable = False  # warned once, until it is reached again
+        self.pool_address: tuple[str, int] | None = None  # where this replica serves its node's pool, if it does
+        self._told_pool_address: "FeedConnection | None" = None  # the connection the router actor last heard it on
         self._sender = asyncio.get_running_loop().create_task(self._send_forever())
 
     def request_finished(self, request_id: str, num_cached_tokens: int | None) -> None:
@@ -105,6 +108,9 @@ class RouterPublisher:
         else:
             method, payload, self._events = "publish", self._events, []
         try:
+            if self.pool_address is not None and feed is not self._told_pool_address:  # a new actor, perhaps
+                await feed.call("serve_pool", self.replica_id, self.pool_address)
+                self._told_pool_address = feed
             accepted = await feed.call(method, self.replica_id, self._seq, payload, self._stats, finished)
         except Exception as exc:
             logger.warning("replica %s lost batch %d: %r", self.replica_id, self._seq, exc)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from replica.kv_cache import BlockHash, KVEvent
+from replica.kv_cache.host_pool import HostPoolSpec
 from replica.request import SamplingParams
 from replica.scheduler import Scheduler, SchedulerStats
 
@@ -30,6 +31,7 @@ class ModelInfo:
     vocab_size: int
     block_size: int
     hash_seed: int = 0
+    host_pool: HostPoolSpec | None = None  # the node's pool the engines write through to, if any
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,9 @@ class CacheConfig(pydantic.BaseModel):
     # The node's second KV tier, shared by its engines: blocks the cache takes in are written through to it, and
     # a request loads the part of its prefix it holds instead of computing it. 0 turns it off.
     host_pool_gib: float = pydantic.Field(0.0, ge=0)
-    host_pool_path: str | None = None  # None: a file per model in /dev/shm
+    # None: a file per model in /dev/shm. In a Ray cluster, "{node}" in it stands for the Ray node's id: nodes that
+    # share a machine (a test cluster) then keep apart pools, as separate machines do.
+    host_pool_path: str | None = None
 
 
 class EngineConfig(pydantic.BaseModel):

@@ -89,7 +89,7 @@ class EngineCore:
         if num_blocks < 2:
             raise ValueError(f"kv_cache_memory_gib={cache.kv_cache_memory_gib} holds no KV block")
         self.max_model_len = self._max_model_len(num_blocks)
-        host_pool = self._host_pool_spec(dtype)
+        self.host_pool_spec = host_pool = self._host_pool_spec(dtype)
         pool = HostPool(host_pool) if host_pool is not None else None
         self._host_pool_watcher = HostPoolWatcher(pool, cache.block_size) if pool is not None else None
         self.kv_cache_manager = KVCacheManager(
@@ -291,7 +291,7 @@ class EngineCore:
     def model_info(self) -> ModelInfo:
         return ModelInfo(name=self.model_name, max_model_len=self.max_model_len,
                          vocab_size=self.model_config.vocab_size, block_size=self.config.cache.block_size,
-                         hash_seed=self.config.cache.hash_seed)
+                         hash_seed=self.config.cache.hash_seed, host_pool=self.host_pool_spec)
 
     def check_health(self) -> None:
         """WorkerLost if a tensor-parallel rank is gone."""

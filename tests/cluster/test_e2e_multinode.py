@@ -9,9 +9,11 @@ the dead replica. (Losing the ingress's node drops its client connections: a loa
 migration, covers that.)
 """
 import asyncio
+import contextlib
 import json
 import re
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -35,8 +37,10 @@ MAX_TOKENS = 64
 RECOVERY_TIMEOUT_S = 120
 
 
-@pytest.fixture(scope="module")
-def cluster():
+@contextlib.contextmanager
+def three_nodes(config: ClusterConfig) -> Iterator[tuple[Cluster, list, str]]:
+    """The app on a head (Serve's controller and proxy, no CPUs) and two worker nodes of 2 CPUs, all on
+    127.0.0.1 -> (the cluster, its worker nodes, the app's base URL)."""
     keep_ray_on_loopback()
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "node_ip_address": LOOPBACK, "include_dashboard": False,
@@ -46,12 +50,18 @@ def cluster():
     port = free_port()
     try:
         serve.start(proxy_location="HeadOnly", http_options={"host": LOOPBACK, "port": port})
-        serve.run(build(CONFIG), name=APP_NAME, route_prefix="/")
+        serve.run(build(config), name=APP_NAME, route_prefix="/")
         yield cluster, workers, f"http://{LOOPBACK}:{port}"
     finally:
         serve.shutdown()
         ray.shutdown()
         cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with three_nodes(CONFIG) as cluster:
+        yield cluster
 
 
 def deployment_replicas(deployment: str = "engine") -> dict[str, tuple[str, str]]:

@@ -1,0 +1,66 @@
+"""PoolPuller: an engine replica's side of pulling prefixes between nodes.
+
+It serves its node's pool to the other nodes (replica/kv_cache/pool_transfer.py) and tells the router actor
+where (RouterPublisher.pool_address). Before a request goes to the engine it asks the router whether another
+node's pool holds more of the request's prefix than this node does and whether pulling it beats computing it
+(Router.pull_source, priced with this replica's measured pull time a token); if so it copies those blocks into
+this node's pool, where the scheduler finds them as any pool hit and loads them. A pull that fails or takes
+longer than pull_timeout_s leaves the request to compute them.
+"""
+import asyncio
+import logging
+import time
+
+import ray
+
+from replica.async_engine import EngineRequest
+from replica.kv_cache.host_pool import HostPool, HostPoolSpec
+from replica.kv_cache.pool_transfer import PoolServer, pull_blocks
+from replica.scheduler.compute_rate import LoadRate
+from router.actor import RouterClient
+from router.messages import PullSource
+
+logger = logging.getLogger("ray.serve.prefixserve.pulls")
+
+
+class PoolPuller:
+    def __init__(self, replica_id: str, spec: HostPoolSpec, router: RouterClient, block_size: int,
+                 timeout_s: float):
+        """router: a client of the router actor's feed of its own (a failed pull resets it)."""
+        self._replica_id = replica_id
+        self._pool = HostPool(spec)
+        self._server = PoolServer(self._pool)
+        self._router = router
+        self._block_size = block_size
+        self._timeout_s = timeout_s
+        self._rate = LoadRate()
+
+    async def start(self) -> tuple[str, int]:
+        """Serves the pool on this node's address; where."""
+        return await self._server.start(ray.util.get_node_ip_address())
+
+    async def close(self) -> None:
+        await self._server.close()
+        self._pool.close()
+
+    async def pull_for(self, request: EngineRequest) -> None:
+        if not request.block_hashes:
+            return
+        try:
+            await asyncio.wait_for(self._pull(request), self._timeout_s)
+        except Exception as exc:  # the engine computes what did not come
+            self._router.reset()  # a call cut short leaves its connection unusable
+            logger.warning("replica %s could not pull blocks of request %s: %r", self._replica_id,
+                           request.request_id, exc)
+
+    async def _pull(self, request: EngineRequest) -> None:
+        feed = await self._router.get("pulls")
+        source: PullSource | None = await feed.call("pull_source", self._replica_id, request.block_hashes,
+                                                    self._rate.seconds_per_token())
+        if source is None:
+            return
+        started = time.monotonic()
+        wanted = request.block_hashes[source.start:source.start + source.num_blocks]
+        num_pulled = await pull_blocks(source.address, wanted, self._pool)
+        if num_pulled:
+            self._rate.loaded(num_pulled * self._block_size, time.monotonic() - started)
