@@ -43,12 +43,6 @@ class HostPoolSpec:
         return _data_offset(self.num_slots) + self.num_slots * self.slot_bytes
 
 
-@dataclass(frozen=True)
-class StoreResult:
-    stored: list[BlockHash]   # written now
-    evicted: list[BlockHash]  # dropped to make room for them
-
-
 @dataclass(frozen=True, slots=True)
 class KVLoad:
     """The pool's slots a waiting request's blocks are copied from, into the device blocks a load holds."""
@@ -97,6 +91,7 @@ class HostPool:
             os.close(self._fd)
             raise
         self._table = np.frombuffer(self._mmap, _SLOT, spec.num_slots, _HEADER_BYTES)
+        self._last_seen: dict[int, int] = {}  # key -> the slot this process last found its block in
         self.data = np.frombuffer(self._mmap, np.uint8, spec.num_slots * spec.slot_bytes,
                                   _data_offset(spec.num_slots)).reshape(spec.num_slots, spec.slot_bytes)
 
@@ -151,21 +146,31 @@ class HostPool:
         return slots
 
     def _slot_of(self, block_hash: BlockHash) -> int | None:
+        """Where the block was last found here, if it is still there; else a scan of the whole table."""
         key, check = _split(block_hash)
-        table = self._table
-        for slot in np.flatnonzero(table["key"] == key):
-            entry = table[slot]
-            if entry["check"] == check and entry["version"] and not entry["version"] % 2:
-                return int(slot)
+        slot = self._last_seen.get(key)
+        if slot is not None and self._holds(slot, key, check):
+            return slot
+        for slot in np.flatnonzero(self._table["key"] == key):
+            if self._holds(slot, key, check):
+                if len(self._last_seen) >= 2 * self.spec.num_slots:  # mostly blocks evicted since
+                    self._last_seen.clear()
+                self._last_seen[key] = slot = int(slot)
+                return slot
         return None
+
+    def _holds(self, slot: int, key: int, check: int) -> bool:
+        entry = self._table[slot]
+        return entry["key"] == key and entry["check"] == check and entry["version"] and not entry["version"] % 2
 
     def contents(self) -> set[BlockHash]:
         """Every complete block's hash."""
         return set(_whole_hashes(self._table.copy()))
 
-    def store(self, block_hashes: Sequence[BlockHash], write: Callable[[list[int], list[int]], None]) -> StoreResult:
+    def store(self, block_hashes: Sequence[BlockHash],
+              write: Callable[[list[int], list[int]], None]) -> list[BlockHash]:
         """Store the blocks whose hash the pool lacks (the others count as used now): write(indices into
-        block_hashes, slots) copies them in. At most num_slots of them, the first ones if more."""
+        block_hashes, slots) copies them in. At most num_slots of them, the first ones if more; those it wrote."""
         with self._locked():
             table, now = self._table, self._clock()
             missing = []
@@ -177,30 +182,25 @@ class HostPool:
                     table["last_used"][slot] = now
             missing = missing[:self.spec.num_slots]
             if not missing:
-                return StoreResult([], [])
-            slots, evicted = self._victims(len(missing))
+                return []
+            slots = self._victims(len(missing))
             table["version"][slots] += 1  # odd: being written
             for index, slot in zip(missing, slots):
                 table["key"][slot], table["check"][slot] = _split(block_hashes[index])
             write(missing, slots)
             table["version"][slots] += 1
             table["last_used"][slots] = now
-            return StoreResult([block_hashes[index] for index in missing], evicted)
+            return [block_hashes[index] for index in missing]
 
-    def _victims(self, count: int) -> tuple[list[int], list[BlockHash]]:
+    def _victims(self, count: int) -> list[int]:
         """The count least recently used slots, empty and torn ones first (called under the lock, so an odd
-        version is a writer that died), and the hashes of the whole blocks among them."""
+        version is a writer that died)."""
         versions = self._table["version"]
         last_used = np.where(versions % 2 == 1, _TORN, self._table["last_used"])
         last_used[versions == 0] = _TORN - 1
         slots = np.argpartition(last_used, count - 1)[:count] if count < len(last_used) else np.arange(count)
-        evicted = [self._hash_at(slot) for slot in slots if versions[slot] and not versions[slot] % 2]
         versions[slots] += versions[slots] % 2  # a torn slot's next write starts from an even version
-        return [int(slot) for slot in slots], evicted
-
-    def _hash_at(self, slot: int) -> BlockHash:
-        entry = self._table[slot]
-        return _joined(entry["key"], entry["check"])
+        return [int(slot) for slot in slots]
 
     def load(self, slots: Sequence[int], block_hashes: Sequence[BlockHash],
              read: Callable[[list[int]], None]) -> int:

@@ -138,6 +138,8 @@ class KVCacheManager:
     def take_saves(self, request_ids: Iterable[str]) -> KVSave | None:
         """The blocks to write through to the pool after this step: those entered into the cache by the
         requests that compute them in it (the others were preempted before it ran)."""
+        if not self._saves:  # no pool, or nothing new in the cache
+            return None
         saves, self._saves = self._saves, {}
         picked = [saves[request_id] for request_id in request_ids if request_id in saves]
         if not picked:

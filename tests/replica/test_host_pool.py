@@ -27,7 +27,7 @@ def make_pool(tmp_path, num_slots: int = 4, layout: str = "test|float32|4x1x8x2"
 
 
 def fill(pool: HostPool, block_hashes, values):
-    """Store blocks whose every byte is its value; the StoreResult."""
+    """Store blocks whose every byte is its value; the hashes stored."""
     def write(indices, slots):
         for index, slot in zip(indices, slots):
             pool.data[slot] = values[index]
@@ -43,7 +43,7 @@ def read_back(pool: HostPool, slots, block_hashes):
 
 def test_stored_blocks_are_found_in_chain_order_and_load_whole(tmp_path):
     pool = make_pool(tmp_path)
-    assert fill(pool, CHAIN[:3], [11, 12, 13]).stored == CHAIN[:3]
+    assert fill(pool, CHAIN[:3], [11, 12, 13]) == CHAIN[:3]
     slots = pool.find(CHAIN[:5])
     assert len(slots) == 3
     assert read_back(pool, slots, CHAIN[:3]) == (3, [11, 12, 13])
@@ -59,7 +59,7 @@ def test_find_stops_at_the_first_block_the_pool_lacks(tmp_path):
 def test_two_engines_on_one_file_share_blocks_and_store_each_once(tmp_path):
     first, second = make_pool(tmp_path), make_pool(tmp_path)
     fill(first, CHAIN[:2], [5, 6])
-    assert fill(second, CHAIN[:3], [0, 0, 7]).stored == [CHAIN[2]]
+    assert fill(second, CHAIN[:3], [0, 0, 7]) == [CHAIN[2]]
     slots = second.find(CHAIN[:3])
     assert read_back(second, slots, CHAIN[:3]) == (3, [5, 6, 7])
 
@@ -68,8 +68,7 @@ def test_the_least_recently_used_block_goes_and_the_file_keeps_its_size(tmp_path
     pool = make_pool(tmp_path, num_slots=3, clock=Clock())
     fill(pool, CHAIN[:3], [1, 2, 3])
     read_back(pool, pool.find(CHAIN[:1]), CHAIN[:1])  # block 0 used again: block 1 is now the oldest
-    result = fill(pool, CHAIN[3:5], [4, 5])
-    assert (result.stored, result.evicted) == (CHAIN[3:5], [CHAIN[1], CHAIN[2]])
+    assert fill(pool, CHAIN[3:5], [4, 5]) == CHAIN[3:5]
     assert pool.contents() == {CHAIN[0], CHAIN[3], CHAIN[4]}
     assert os.path.getsize(tmp_path / "pool") == pool.spec.file_bytes
     assert pool.spec.file_bytes == 2 * 4096 + 3 * SLOT_BYTES  # a page of header, the slot table in a page, the slots
@@ -77,7 +76,7 @@ def test_the_least_recently_used_block_goes_and_the_file_keeps_its_size(tmp_path
 
 def test_storing_more_blocks_than_slots_keeps_the_first(tmp_path):
     pool = make_pool(tmp_path, num_slots=2)
-    assert fill(pool, CHAIN[:3], [1, 2, 3]).stored == CHAIN[:2]
+    assert fill(pool, CHAIN[:3], [1, 2, 3]) == CHAIN[:2]
     assert len(pool.find(CHAIN)) == 2
 
 
@@ -116,8 +115,8 @@ def test_a_writer_that_dies_mid_write_leaves_no_block_and_its_slot_goes_first(tm
     writer.join(30)
     assert writer.exitcode == 1
     assert pool.find(CHAIN[:1]) == [] and pool.contents() == {CHAIN[1]}
-    result = fill(pool, CHAIN[2:3], [3])  # the lock died with the writer; its torn slot is taken, not block 1
-    assert (result.stored, result.evicted) == ([CHAIN[2]], [])
+    # the lock died with the writer; its torn slot is taken, not block 1's
+    assert fill(pool, CHAIN[2:3], [3]) == [CHAIN[2]]
     assert pool.contents() == {CHAIN[1], CHAIN[2]}
 
 
@@ -157,3 +156,17 @@ def test_a_pool_its_file_system_cannot_hold_is_refused_and_leaves_no_file(tmp_pa
     with pytest.raises(ValueError, match=r"cannot reserve .*\(No space left on device\)"):
         make_pool(tmp_path)
     assert not (tmp_path / "pool").exists()
+
+
+def test_a_block_that_another_engine_evicted_and_stored_again_elsewhere_is_found_where_it_is_now(tmp_path):
+    clock = Clock()
+    pool, other = make_pool(tmp_path, num_slots=2, clock=clock), make_pool(tmp_path, num_slots=2, clock=clock)
+    fill(pool, CHAIN[:2], [1, 2])
+    [first_slot] = pool.find(CHAIN[:1])  # this engine remembers where block 0 was
+    fill(other, CHAIN[2:4], [3, 4])      # the other evicts both blocks
+    assert pool.find(CHAIN[:1]) == []
+    read_back(other, other.find(CHAIN[2:3]), CHAIN[2:3])  # block 2, in block 0's old slot, used again
+    fill(other, CHAIN[:1], [5])          # block 0 stored again, in the other slot
+    [slot] = pool.find(CHAIN[:1])
+    assert slot != first_slot
+    assert read_back(pool, [slot], CHAIN[:1]) == (1, [5])
