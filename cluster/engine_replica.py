@@ -47,7 +47,7 @@ class EngineReplica:
         self._stream_interval_s = config.stream_interval_s
         if (pool := self._engine.model_info().host_pool) is not None:
             self._puller = PoolPuller(self.replica_id, pool, router(), block_size, config.pull_timeout_s)
-            self._publisher.pool_address = await self._puller.start()
+            self._publisher.pool_served = await self._puller.start()
 
     def model_info(self) -> ModelInfo:
         return self._engine.model_info()

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from replica.kv_cache import BlockHash, KVEvent
 from replica.scheduler import SchedulerStats
 from router.actor import RouterClient
-from router.messages import FinishedRequest
+from router.messages import FinishedRequest, PoolServed
 
 if TYPE_CHECKING:
     from replica.core_process import CoreView
@@ -46,8 +46,8 @@ class RouterPublisher:
         self._resync_hashes: list[BlockHash] | None = None  # read: the next batch is a resync
         self._recorded = asyncio.Event()  # something to send since the sender last took a batch
         self._router_unreachable = False  # warned once, until it is reached again
-        self.pool_address: tuple[str, int] | None = None  # where this replica serves its node's pool, if it does
-        self._told_pool_address: "FeedConnection | None" = None  # the connection the router actor last heard it on
+        self.pool_served: PoolServed | None = None  # where this replica serves its node's pool, if it does
+        self._told_pool_served: "FeedConnection | None" = None  # the connection the router actor last heard it on
         self._sender = asyncio.get_running_loop().create_task(self._send_forever())
 
     def request_finished(self, request_id: str, num_cached_tokens: int | None) -> None:
@@ -108,9 +108,9 @@ class RouterPublisher:
         else:
             method, payload, self._events = "publish", self._events, []
         try:
-            if self.pool_address is not None and feed is not self._told_pool_address:  # a new actor, perhaps
-                await feed.call("serve_pool", self.replica_id, self.pool_address)
-                self._told_pool_address = feed
+            if self.pool_served is not None and feed is not self._told_pool_served:  # a new actor, perhaps
+                await feed.call("serve_pool", self.replica_id, self.pool_served)
+                self._told_pool_served = feed
             accepted = await feed.call(method, self.replica_id, self._seq, payload, self._stats, finished)
         except Exception as exc:
             logger.warning("replica %s lost batch %d: %r", self.replica_id, self._seq, exc)

@@ -1,7 +1,7 @@
 """PoolPuller: an engine replica's side of pulling prefixes between nodes.
 
 It serves its node's pool to the other nodes (replica/kv_cache/pool_transfer.py) and tells the router actor
-where (RouterPublisher.pool_address). Before a request goes to the engine it asks the router whether another
+where (RouterPublisher.pool_served). Before a request goes to the engine it asks the router whether another
 node's pool holds more of the request's prefix than this node does and whether pulling it beats computing it
 (Router.pull_source, priced with this replica's measured pull time a token); if so it copies those blocks into
 this node's pool, where the scheduler finds them as any pool hit and loads them. A pull that fails or takes
@@ -18,7 +18,7 @@ from replica.kv_cache.host_pool import HostPool, HostPoolSpec
 from replica.kv_cache.pool_transfer import PoolServer, pull_blocks
 from replica.scheduler.compute_rate import LoadRate
 from router.actor import RouterClient
-from router.messages import PullSource
+from router.messages import PoolServed, PullSource
 
 logger = logging.getLogger("ray.serve.prefixserve.pulls")
 
@@ -35,9 +35,10 @@ class PoolPuller:
         self._timeout_s = timeout_s
         self._rate = LoadRate()
 
-    async def start(self) -> tuple[str, int]:
-        """Serves the pool on this node's address; where."""
-        return await self._server.start(ray.util.get_node_ip_address())
+    async def start(self) -> PoolServed:
+        """Serves the pool on this node's address; where, and which pool (this node's file)."""
+        address = await self._server.start(ray.util.get_node_ip_address())
+        return PoolServed(address, f"{ray.get_runtime_context().get_node_id()}:{self._pool.spec.path}")
 
     async def close(self) -> None:
         await self._server.close()

@@ -30,7 +30,7 @@ import xxhash
 from ray.actor import ActorHandle
 
 from router.feed import Booked, Entry, FeedingRouter, FeedUpdate, SharedBooking
-from router.messages import BlockHash, PullSource
+from router.messages import BlockHash, PoolServed, PullSource
 from router.policy import PolicyConfig
 from router.wire import FeedConnection, FeedServer
 
@@ -65,9 +65,9 @@ class RouterActor(FeedingRouter):
     def remove_replica(self, replica_id: str) -> None:
         self._recording(super().remove_replica, replica_id)
 
-    def serve_pool(self, replica_id: str, address: tuple[str, int]) -> None:
+    def serve_pool(self, replica_id: str, served: PoolServed) -> None:
         with self._news:
-            super().serve_pool(replica_id, address)
+            super().serve_pool(replica_id, served)
 
     def pull_source(self, replica_id: str, block_hashes: list[BlockHash],
                     pull_seconds_per_token: float | None) -> PullSource | None:

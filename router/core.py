@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from replica.kv_cache import BlockHash, KVEvent
 from replica.scheduler import SchedulerStats
 from router.index import BlockIndex
-from router.messages import (FinishedRequest, PullSource, ReplicaSnapshot, ReplicaState, RouterSnapshot,
+from router.messages import (FinishedRequest, PoolServed, PullSource, ReplicaSnapshot, ReplicaState, RouterSnapshot,
                              RoutingDecision)
 from router.policy import Candidate, PolicyConfig, RequestShape, make_policy, pull_token_cost
 from router.sessions import ParkedSessions
@@ -154,7 +154,7 @@ class Router:
         self._removed: set[str] = set()
         self._sessions = ParkedSessions(config.session_ttl_s)
         self._decisions: Counter[str] = Counter()
-        self._pool_servers: dict[str, tuple[str, int]] = {}  # replica -> where its node's pool is served
+        self._pool_servers: dict[str, PoolServed] = {}  # replica -> where its node's pool is served
 
     def choose(self, request_id: str, block_hashes: Sequence[BlockHash], candidates: Sequence[str], *,
                num_prompt_tokens: int | None = None, session_id: str | None = None,
@@ -260,20 +260,23 @@ class Router:
             self.index.resync(replica_id, host_block_hashes, "host")
         replica.last_seq = seq
 
-    def serve_pool(self, replica_id: str, address: tuple[str, int]) -> None:
-        """The replica serves its node's pool at address: replicas of other nodes may pull from it."""
+    def serve_pool(self, replica_id: str, served: PoolServed) -> None:
+        """The replica serves its node's pool: replicas of other nodes may pull from it."""
         if replica_id not in self._removed:
-            self._pool_servers[replica_id] = address
+            self._pool_servers[replica_id] = served
 
     def pull_source(self, replica_id: str, block_hashes: Sequence[BlockHash],
                     pull_seconds_per_token: float | None) -> PullSource | None:
         """Where the replica should pull the blocks of the chain that neither it nor its node's pool holds, from
-        the served pool that holds the most of them; None where none does, or where pulling a token costs the
+        the other pool that holds the most of them; None where none does, or where pulling a token costs the
         replica (its measured pull time against its compute rate) at least what computing one does."""
+        own = self._pool_servers.get(replica_id)
+        if own is None:
+            return None
         start = self.index.match(block_hashes, booked=False).get(replica_id, 0)
         start += self.index.host_run(replica_id, block_hashes, start)
-        runs = {address: self.index.host_run(source, block_hashes, start)
-                for source, address in self._pool_servers.items() if source != replica_id}
+        runs = {served.address: self.index.host_run(source, block_hashes, start)
+                for source, served in self._pool_servers.items() if served.pool != own.pool}
         address = max(runs, key=runs.__getitem__, default=None)
         if address is None or not runs[address]:
             return None

@@ -6,7 +6,7 @@ from replica.kv_cache import AllBlocksCleared, BlockHash, BlockRemoved, BlockSto
 from replica.scheduler import SchedulerStats
 
 __all__ = ["AllBlocksCleared", "BlockHash", "BlockRemoved", "BlockStored", "FinishedRequest", "KVEvent",
-           "PullSource", "ReplicaSnapshot", "ReplicaState", "RouterSnapshot", "RoutingDecision", "SchedulerStats"]
+           "PoolServed", "PullSource", "ReplicaSnapshot", "ReplicaState", "RouterSnapshot", "RoutingDecision", "SchedulerStats"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +20,13 @@ class RoutingDecision:
     replica_id: str
     matched_blocks: int
     outcome: str  # "prefix_hit", "no_hit", "spill", "round_robin", "least_loaded", "directed", "fallback" or "booked"
+
+
+@dataclass(frozen=True, slots=True)
+class PoolServed:
+    """Where a replica serves its node's pool, and which pool that is (the replicas of a node share one)."""
+    address: tuple[str, int]
+    pool: str
 
 
 @dataclass(frozen=True, slots=True)

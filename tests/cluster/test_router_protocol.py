@@ -10,7 +10,7 @@ from replica.kv_cache import BlockStored, hash_token_blocks
 from replica.request import SamplingParams
 from replica.scheduler import SchedulerStats
 from router.actor import RouterActor, router_actor_name
-from router.messages import FinishedRequest
+from router.messages import FinishedRequest, PoolServed
 from router.policy import PolicyConfig
 
 from tests.replica.scheduler_helpers import FakeClock
@@ -41,6 +41,9 @@ class FakeFeedConnection:
         for method, args, future in pending:
             if lose:
                 future.set_exception(ConnectionError("the router actor died"))
+            elif method == "serve_pool":
+                self.delivered.append((method, args[1].pool))
+                future.set_result(self.actor.serve_pool(*args))
             else:
                 replica_id, seq, payload, stats, finished = args
                 self.delivered.append((method, seq))
@@ -216,6 +219,30 @@ def test_a_new_router_gets_a_resync_once():
     handle = asyncio.run(test())
     assert handle.delivered == [("publish", 1), ("publish", 2), ("resync", 3), ("publish", 4)]
     assert handle.actor.index.match(prompt_hashes(list(range(8)))) == {"r1": 2}
+
+
+def test_a_replica_serving_its_node_pool_tells_each_connection_where_before_its_first_batch():
+    async def test():
+        core, handle = FakeEngineCore(), FakeFeedConnection(new_router())
+        client = FakeRouterClient(handle)
+        publisher = RouterPublisher("r1", client)
+        publisher.pool_served = PoolServed(("127.0.0.1", 5000), "node-1:/dev/shm/kv")
+        for _ in range(2):
+            await record(publisher, core)
+            await handle.deliver()
+            await handle.deliver()
+        first = handle
+        client.connection = handle = FakeFeedConnection(handle.actor)  # a new connection (a new actor, perhaps)
+        await record(publisher, core)
+        await handle.deliver()
+        await handle.deliver()
+        await publisher.close()
+        return first, client
+
+    first, client = asyncio.run(test())
+    assert first.delivered == [("serve_pool", "node-1:/dev/shm/kv"), ("publish", 1), ("publish", 2)]
+    assert client.connection.delivered == [("serve_pool", "node-1:/dev/shm/kv"), ("publish", 3)]
+    assert client.connection.actor._pool_servers == {"r1": PoolServed(("127.0.0.1", 5000), "node-1:/dev/shm/kv")}
 
 
 def test_an_unreachable_router_is_looked_up_once_per_retry_interval_then_resynced():

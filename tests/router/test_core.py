@@ -6,7 +6,7 @@ from replica.kv_cache import AllBlocksCleared, BlockStored
 from replica.request import Request, SamplingParams
 from replica.scheduler import SchedulerStats
 from router import FinishedRequest, PolicyConfig, Router, RoutingDecision
-from router.messages import PullSource
+from router.messages import PoolServed, PullSource
 from router.policy import PrefixPolicy, RequestShape
 
 from tests.replica.scheduler_helpers import FakeClock, make_scheduler, step
@@ -488,8 +488,8 @@ def pull_router(compute_seconds_per_token: float | None = None) -> Router:
     router.publish("a", 1, [stored(chain(1)), host_stored(chain(1, 2))], a_stats, [])
     router.publish("b", 1, [host_stored(chain(1, 2))], stats(), [])
     router.publish("c", 1, [host_stored(chain(1, 2, 3, 4))], stats(), [])
-    for replica_id, port in (("a", 1), ("b", 2), ("c", 3)):
-        router.serve_pool(replica_id, ("10.0.0.1", port))
+    for replica_id, port, node in (("a", 1, "n1"), ("b", 2, "n1"), ("c", 3, "n2")):
+        router.serve_pool(replica_id, PoolServed(("10.0.0.1", port), node))
     return router
 
 
@@ -498,6 +498,8 @@ def test_a_replica_pulls_what_neither_it_nor_its_node_holds_from_the_pool_holdin
     assert router.pull_source("a", chain(1, 2, 3, 4, 5), None) == PullSource(("10.0.0.1", 3), 2, 2)
     assert router.pull_source("a", chain(1, 2), None) is None  # its node holds it all
     assert router.pull_source("a", chain(9, 10), None) is None  # nobody does
+    router.publish("b", 2, [host_stored(chain(1, 2, 3, 4, 5)[2:])], stats(), [])  # a's node: a's pool, seen late
+    assert router.pull_source("a", chain(1, 2, 3, 4, 5), None) == PullSource(("10.0.0.1", 3), 2, 2)
 
 
 def test_a_pull_happens_only_while_a_pulled_token_costs_less_than_a_computed_one():
