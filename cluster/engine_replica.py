@@ -47,7 +47,7 @@ class EngineReplica:
         self._stream_interval_s = config.stream_interval_s
         if (pool := self._engine.model_info().host_pool) is not None:
             self._puller = PoolPuller(self.replica_id, pool, router(), block_size, config.pull_timeout_s)
-            self._publisher.pool_served = await self._puller.start()
+            self._publisher.pool_served = self._puller.start()
 
     def model_info(self) -> ModelInfo:
         return self._engine.model_info()
@@ -82,7 +82,7 @@ class EngineReplica:
             await self._engine.shutdown()
             await self._publisher.close()
         if self._puller is not None:
-            await self._puller.close()
+            self._puller.close()
 
 
 @serve.ingress()

@@ -35,13 +35,13 @@ class PoolPuller:
         self._timeout_s = timeout_s
         self._rate = LoadRate()
 
-    async def start(self) -> PoolServed:
+    def start(self) -> PoolServed:
         """Serves the pool on this node's address; where, and which pool (this node's file)."""
-        address = await self._server.start(ray.util.get_node_ip_address())
+        address = self._server.start(ray.util.get_node_ip_address())
         return PoolServed(address, f"{ray.get_runtime_context().get_node_id()}:{self._pool.spec.path}")
 
-    async def close(self) -> None:
-        await self._server.close()
+    def close(self) -> None:
+        self._server.close()
         self._pool.close()
 
     async def pull_for(self, request: EngineRequest) -> None:
@@ -62,6 +62,6 @@ class PoolPuller:
             return
         started = time.monotonic()
         wanted = request.block_hashes[source.start:source.start + source.num_blocks]
-        num_pulled = await pull_blocks(source.address, wanted, self._pool)
+        num_pulled = await asyncio.to_thread(pull_blocks, source.address, wanted, self._pool, self._timeout_s)
         if num_pulled:
             self._rate.loaded(num_pulled * self._block_size, time.monotonic() - started)

@@ -39,12 +39,12 @@ def test_a_request_pulls_the_blocks_the_router_names_and_measures_the_pull(tmp_p
         source = node_pool(tmp_path, "a")
         fill(source, CHAIN[:4], [1, 2, 3, 4])
         server = PoolServer(source)
-        address = await server.start("127.0.0.1")
+        address = server.start("127.0.0.1")
         feed = FakeRouterFeed(PullSource(address, 1, 3))
         pulls, _ = puller(tmp_path, feed)
         await pulls.pull_for(REQUEST)
         await pulls.pull_for(REQUEST)
-        await server.close()
+        server.close()
         return feed
 
     feed = asyncio.run(test())
