@@ -22,6 +22,7 @@ from router.actor import RouterClient
 from router.messages import FinishedRequest, PoolServed
 
 if TYPE_CHECKING:
+    from cluster.pulls import PoolPuller
     from replica.core_process import CoreView
     from replica.engine import EngineCore
     from router.wire import FeedConnection
@@ -47,6 +48,7 @@ class RouterPublisher:
         self._recorded = asyncio.Event()  # something to send since the sender last took a batch
         self._router_unreachable = False  # warned once, until it is reached again
         self.pool_served: PoolServed | None = None  # where this replica serves its node's pool, if it does
+        self.puller: "PoolPuller | None" = None  # whose counts go out with the stats
         self._told_pool_served: "FeedConnection | None" = None  # the connection the router actor last heard it on
         self._sender = asyncio.get_running_loop().create_task(self._send_forever())
 
@@ -65,6 +67,9 @@ class RouterPublisher:
         else:
             self._events += events
         self._stats = core.stats()
+        if self.puller is not None:
+            self._stats.pulled_tokens = self.puller.num_pulled_tokens
+            self._stats.pull_failures = self.puller.num_failures
         self._recorded.set()
 
     async def close(self) -> None:

@@ -34,6 +34,8 @@ class PoolPuller:
         self._block_size = block_size
         self._timeout_s = timeout_s
         self._rate = LoadRate()
+        self.num_pulled_tokens = 0
+        self.num_failures = 0
 
     def start(self) -> PoolServed:
         """Serves the pool on this node's address; where, and which pool (this node's file)."""
@@ -50,6 +52,7 @@ class PoolPuller:
         try:
             await asyncio.wait_for(self._pull(request), self._timeout_s)
         except Exception as exc:  # the engine computes what did not come
+            self.num_failures += 1
             self._router.reset()  # a call cut short leaves its connection unusable
             logger.warning("replica %s could not pull blocks of request %s: %r", self._replica_id,
                            request.request_id, exc)
@@ -65,3 +68,4 @@ class PoolPuller:
         num_pulled = await asyncio.to_thread(pull_blocks, source.address, wanted, self._pool, self._timeout_s)
         if num_pulled:
             self._rate.loaded(num_pulled * self._block_size, time.monotonic() - started)
+            self.num_pulled_tokens += num_pulled * self._block_size

@@ -106,6 +106,10 @@ class SchedulerStats:
     # recent steps); None until both were measured
     host_load_token_cost: float | None = None
     compute_seconds_per_token: float | None = None  # its recent compute rate, with a node pool; None until measured
+    # set by the serving side: prompt tokens its replica pulled from other nodes' pools into its own, and the
+    # pulls that failed or timed out (their requests computed the prefix instead), cumulative
+    pulled_tokens: int = 0
+    pull_failures: int = 0
     num_prefill_tokens_pending: int = 0  # tokens of running and waiting requests still to prefill (or recompute)
     num_free_blocks: int = 0             # blocks a new request can take: free ones and evictable cached ones
     num_cached_blocks: int = 0           # blocks in the prefix cache's hash map: what the router's index mirrors

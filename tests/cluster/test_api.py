@@ -442,8 +442,8 @@ def test_models_lists_the_served_model():
 
 def test_metrics_have_one_series_per_replica():
     stats = SchedulerStats(num_running=2, num_waiting=1, kv_usage=0.25, num_preemptions=3, prefix_cache_queries=40,
-                           prefix_cache_hits=16, host_pool_hits=8, num_cached_blocks=5,
-                           pins=PinStats(12, 9, 6, 2, 1, 300, 240),
+                           prefix_cache_hits=16, host_pool_hits=8, num_cached_blocks=5, pulled_tokens=48,
+                           pull_failures=1, pins=PinStats(12, 9, 6, 2, 1, 300, 240),
                            spec_decoding=SpecDecodingStats(7, 18, 11, [6, 4, 1]))
     stats.structured_outputs.requests.update(json=4, regex=1)
     stats.structured_outputs.errors = 2
@@ -459,7 +459,8 @@ def test_metrics_have_one_series_per_replica():
         "inter_token_latency_seconds_count": 2.0, "e2e_request_latency_seconds_count": 1.0,
         "num_requests_running": 2.0, "num_requests_waiting": 1.0, "kv_cache_usage_perc": 0.25,
         "num_preemptions_total": 3.0, "prefix_cache_queries_total": 40.0, "prefix_cache_hits_total": 16.0,
-        "host_pool_hits_total": 8.0, "router_index_host_blocks": 7.0,
+        "host_pool_hits_total": 8.0, "router_index_host_blocks": 7.0, "pulled_tokens_total": 48.0,
+        "pull_failures_total": 1.0,
         "pinned_blocks": 12.0, "pins_total": 9.0, "pin_hits_total": 6.0, "pins_expired_total": 2.0,
         "pins_released_total": 1.0, "next_turn_prefix_cache_queries_total": 300.0,
         "next_turn_prefix_cache_hits_total": 240.0, "kv_cached_blocks": 5.0, "router_index_blocks": 5.0,

@@ -34,6 +34,9 @@ def test_a_prompt_computed_on_one_node_is_pulled_into_the_other_nodes_pool_and_l
     num_loaded = (num_prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
     assert pulled["usage"]["prompt_tokens_details"]["cached_tokens"] == num_loaded
     assert metric_values(base_url, "host_pool_hits_total") == {first: 0.0, second: float(num_loaded)}
+    num_pulled = num_prompt_tokens // BLOCK_SIZE * BLOCK_SIZE  # the prompt's full blocks
+    assert metric_values(base_url, "pulled_tokens_total") == {first: 0.0, second: float(num_pulled)}
+    assert metric_values(base_url, "pull_failures_total") == {first: 0.0, second: 0.0}
     # each node's pool holds the blocks now: the first's computed them, the second's pulled the prompt's and
     # computed the rest
     until_equal(lambda: metric_values(base_url, "router_index_host_blocks"), {first: num_blocks, second: num_blocks})

@@ -45,9 +45,10 @@ def test_a_request_pulls_the_blocks_the_router_names_and_measures_the_pull(tmp_p
         await pulls.pull_for(REQUEST)
         await pulls.pull_for(REQUEST)
         server.close()
-        return feed
+        return pulls, feed
 
-    feed = asyncio.run(test())
+    pulls, feed = asyncio.run(test())
+    assert (pulls.num_pulled_tokens, pulls.num_failures) == (2 * 3 * BLOCK_SIZE, 0)
     assert node_pool(tmp_path, "b").contents() == set(CHAIN[1:4])
     [(_, replica, hashes, unmeasured), (*_, measured)] = feed.calls
     assert (replica, hashes, unmeasured) == ("b", CHAIN, None)
@@ -61,7 +62,7 @@ def test_a_pull_from_a_pool_that_cannot_be_reached_leaves_the_request_to_compute
     pulls, client = puller(tmp_path, FakeRouterFeed(PullSource(address, 0, 2)))
     asyncio.run(pulls.pull_for(REQUEST))  # no exception: the engine computes the blocks
     assert node_pool(tmp_path, "b").contents() == set()
-    assert client.resets == 1
+    assert (client.resets, pulls.num_pulled_tokens, pulls.num_failures) == (1, 0, 1)
 
 
 def test_a_pull_that_takes_too_long_is_given_up(tmp_path):
