@@ -47,7 +47,7 @@ class EngineReplica:
         self._stream_interval_s = config.stream_interval_s
         if (pool := self._engine.model_info().host_pool) is not None:
             self._puller = PoolPuller(self.replica_id, pool, router(), block_size, config.pull_timeout_s)
-            self._publisher.pool_served = self._puller.start()
+            self._puller.start()
             self._publisher.puller = self._puller
 
     def model_info(self) -> ModelInfo:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from replica.kv_cache import BlockHash, KVEvent
 from replica.scheduler import SchedulerStats
 from router.actor import RouterClient
-from router.messages import FinishedRequest, PoolServed
+from router.messages import FinishedRequest
 
 if TYPE_CHECKING:
     from cluster.pulls import PoolPuller
@@ -47,8 +47,7 @@ class RouterPublisher:
         self._resync_hashes: list[BlockHash] | None = None  # read: the next batch is a resync
         self._recorded = asyncio.Event()  # something to send since the sender last took a batch
         self._router_unreachable = False  # warned once, until it is reached again
-        self.pool_served: PoolServed | None = None  # where this replica serves its node's pool, if it does
-        self.puller: "PoolPuller | None" = None  # whose counts go out with the stats
+        self.puller: "PoolPuller | None" = None  # serving this node's pool, if the replica does: where, and counts
         self._told_pool_served: "FeedConnection | None" = None  # the connection the router actor last heard it on
         self._sender = asyncio.get_running_loop().create_task(self._send_forever())
 
@@ -113,8 +112,8 @@ class RouterPublisher:
         else:
             method, payload, self._events = "publish", self._events, []
         try:
-            if self.pool_served is not None and feed is not self._told_pool_served:  # a new actor, perhaps
-                await feed.call("serve_pool", self.replica_id, self.pool_served)
+            if self.puller is not None and feed is not self._told_pool_served:  # a new actor, perhaps
+                await feed.call("serve_pool", self.replica_id, self.puller.served)
                 self._told_pool_served = feed
             accepted = await feed.call(method, self.replica_id, self._seq, payload, self._stats, finished)
         except Exception as exc:

@@ -1,7 +1,7 @@
 """PoolPuller: an engine replica's side of pulling prefixes between nodes.
 
 It serves its node's pool to the other nodes (replica/kv_cache/pool_transfer.py) and tells the router actor
-where (RouterPublisher.pool_served). Before a request goes to the engine it asks the router whether another
+where (through its RouterPublisher). Before a request goes to the engine it asks the router whether another
 node's pool holds more of the request's prefix than this node does and whether pulling it beats computing it
 (Router.pull_source, priced with this replica's measured pull time a token); if so it copies those blocks into
 this node's pool, where the scheduler finds them as any pool hit and loads them. A pull that fails or takes
@@ -34,13 +34,14 @@ class PoolPuller:
         self._block_size = block_size
         self._timeout_s = timeout_s
         self._rate = LoadRate()
+        self.served: PoolServed | None = None  # where, once started
         self.num_pulled_tokens = 0
         self.num_failures = 0
 
-    def start(self) -> PoolServed:
-        """Serves the pool on this node's address; where, and which pool (this node's file)."""
+    def start(self) -> None:
+        """Serves the pool on this node's address."""
         address = self._server.start(ray.util.get_node_ip_address())
-        return PoolServed(address, f"{ray.get_runtime_context().get_node_id()}:{self._pool.spec.path}")
+        self.served = PoolServed(address, f"{ray.get_runtime_context().get_node_id()}:{self._pool.spec.path}")
 
     def close(self) -> None:
         self._server.close()

@@ -1,6 +1,7 @@
 """Replica <-> router protocol without Ray: RouterPublisher talking to a RouterActor through a fake handle, fed
 by a fake engine core, alone or driven by AsyncEngine."""
 import asyncio
+import dataclasses
 import functools
 import logging
 
@@ -221,12 +222,20 @@ def test_a_new_router_gets_a_resync_once():
     assert handle.actor.index.match(prompt_hashes(list(range(8)))) == {"r1": 2}
 
 
-def test_a_replica_serving_its_node_pool_tells_each_connection_where_before_its_first_batch():
+@dataclasses.dataclass
+class FakePuller:
+    """A PoolPuller as its publisher reads it."""
+    served: PoolServed
+    num_pulled_tokens: int
+    num_failures: int
+
+
+def test_a_replica_serving_its_node_pool_tells_each_connection_where_and_sends_its_pull_counts():
     async def test():
         core, handle = FakeEngineCore(), FakeFeedConnection(new_router())
         client = FakeRouterClient(handle)
         publisher = RouterPublisher("r1", client)
-        publisher.pool_served = PoolServed(("127.0.0.1", 5000), "node-1:/dev/shm/kv")
+        publisher.puller = FakePuller(PoolServed(("127.0.0.1", 5000), "node-1:/dev/shm/kv"), 32, 1)
         for _ in range(2):
             await record(publisher, core)
             await handle.deliver()
@@ -243,6 +252,8 @@ def test_a_replica_serving_its_node_pool_tells_each_connection_where_before_its_
     assert first.delivered == [("serve_pool", "node-1:/dev/shm/kv"), ("publish", 1), ("publish", 2)]
     assert client.connection.delivered == [("serve_pool", "node-1:/dev/shm/kv"), ("publish", 3)]
     assert client.connection.actor._pool_servers == {"r1": PoolServed(("127.0.0.1", 5000), "node-1:/dev/shm/kv")}
+    stats = client.connection.actor.snapshot().replicas["r1"].stats
+    assert (stats.pulled_tokens, stats.pull_failures) == (32, 1)
 
 
 def test_an_unreachable_router_is_looked_up_once_per_retry_interval_then_resynced():
