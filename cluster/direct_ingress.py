@@ -5,8 +5,12 @@ ray.serve is imported, and in the environment of the Ray processes it starts (a 
 """
 import importlib.util
 import os
+import random
 import shutil
+import socket
 
+# Below Serve's direct-ingress replica ports (30000-31000) and the kernel's ephemeral ones (32768-60999 by default)
+_PICKED_PORTS = range(20000, 30000)
 DIRECT_INGRESS_ENV = {
     "RAY_SERVE_ENABLE_HA_PROXY": "1",  # HAProxy in front of replicas that listen on ports of their own
     "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1",  # the router routes on the prompt: it needs the body
@@ -30,9 +34,25 @@ def enable_direct_ingress() -> None:
     """Turn direct ingress on for this process and the Ray cluster it starts; before ray.serve is imported.
     HAProxy's statistics and Prometheus ports (Serve's defaults 8404 and 9101, which a second cluster on the
     machine would find taken) are free ports, unless set."""
-    from cluster.local_ray import free_port
-
+    taken: set[int] = set()
+    for name in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"):
+        if name not in os.environ:
+            os.environ[name] = str(unassigned_port(exclude=taken))
+        taken.add(int(os.environ[name]))
     os.environ.update(DIRECT_INGRESS_ENV)
-    for port in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"):
-        os.environ.setdefault(port, str(free_port()))
 
+
+def unassigned_port(exclude: set[int] = frozenset()) -> int:
+    """A port that nothing listens on, on any interface (HAProxy binds them all), among those no Ray process
+    takes meanwhile: Ray's processes, which start between this pick and HAProxy's bind, bind port 0 and get one
+    of the kernel's ephemeral range (an HAProxy once found such a pick taken, and the server failed)."""
+    for port in random.sample(_PICKED_PORTS, len(_PICKED_PORTS)):
+        if port in exclude:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {_PICKED_PORTS} for HAProxy")

@@ -2,6 +2,7 @@
 import argparse
 import os
 import re
+import socket
 import subprocess
 import sys
 
@@ -151,6 +152,21 @@ def test_the_direct_front_door_turns_haproxy_mode_on_for_the_cluster_to_come(mon
     assert {name: serve_env[name] for name in direct_ingress.DIRECT_INGRESS_ENV} == direct_ingress.DIRECT_INGRESS_ENV
     ports = {int(serve_env[name]) for name in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")}
     assert len(ports) == 2 and not ports & {8404, 9101}  # Serve's defaults: a second cluster would find them taken
+    assert all(20000 <= port < 30000 for port in ports)  # below the ports of Serve's replicas and the kernel's picks
+
+
+def test_haproxys_ports_are_ones_that_nothing_listens_on_anywhere():
+    with socket.socket() as listener:
+        listener.bind(("", 0))
+        listener.listen()
+        with socket.socket() as free:
+            free.bind(("", 0))
+            listening, unbound = listener.getsockname()[1], free.getsockname()[1]
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(direct_ingress, "_PICKED_PORTS", [listening, unbound])
+            assert direct_ingress.unassigned_port() == unbound
+            with pytest.raises(RuntimeError, match="no free port"):
+                direct_ingress.unassigned_port(exclude={unbound})
 
 
 @pytest.mark.parametrize("argv", [
