@@ -12,7 +12,7 @@ from replica.executor.cuda_graphs import DecodeGraphs
 from replica.executor.host_copies import HostCopies
 from replica.executor.model import KVCache, LlamaForCausalLM
 from replica.executor.model_runner import ModelRunner
-from replica.executor.paged_cache import allocate_kv_caches
+from replica.executor.paged_cache import allocate_kv_caches, fault_in_background
 from replica.executor.parallel import TensorParallel, init_process_group
 from replica.executor.weights import build_model
 from replica.kv_cache.host_pool import HostPool, HostPoolSpec
@@ -41,6 +41,7 @@ def build_runner(spec: RunnerSpec, tp: TensorParallel = TensorParallel(),
     checkpoint = load_checkpoint(spec.model)
     model = build_model(checkpoint, dtype=spec.dtype, device=device, ops=get_ops(spec.backend), tp=tp)
     kv_caches = allocate_kv_caches(checkpoint.config, spec.num_blocks, spec.block_size, spec.dtype, device, tp.size)
+    fault_in_background(kv_caches)
     host_copies = HostCopies(HostPool(spec.host_pool), kv_caches) if spec.host_pool is not None else None
     return ModelRunner(model, kv_caches, spec.block_size, decode_graphs(spec, model, kv_caches), host_copies)
 
