@@ -36,7 +36,8 @@ from router.wire import FeedConnection, FeedServer
 
 NAMESPACE = "prefixserve"
 Result = TypeVar("Result")
-FEED_METHODS = frozenset({"publish", "resync", "remove_replica", "follow", "share", "serve_pool", "pull_source"})
+FEED_METHODS = frozenset({"publish", "resync", "remove_replica", "follow", "share", "serve_pool", "pools_elsewhere",
+                         "pull_source"})
 
 
 class RouterActor(FeedingRouter):
@@ -68,6 +69,10 @@ class RouterActor(FeedingRouter):
     def serve_pool(self, replica_id: str, served: PoolServed) -> None:
         with self._news:
             super().serve_pool(replica_id, served)
+
+    def pools_elsewhere(self, replica_id: str) -> bool:
+        with self._news:
+            return super().pools_elsewhere(replica_id)
 
     def pull_source(self, replica_id: str, block_hashes: list[BlockHash],
                     pull_seconds_per_token: float | None) -> PullSource | None:

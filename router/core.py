@@ -265,6 +265,11 @@ class Router:
         if replica_id not in self._removed:
             self._pool_servers[replica_id] = served
 
+    def pools_elsewhere(self, replica_id: str) -> bool:
+        """Whether a pool besides the replica's own node's is served: only then may it pull."""
+        own = self._pool_servers.get(replica_id)
+        return own is not None and any(served.pool != own.pool for served in self._pool_servers.values())
+
     def pull_source(self, replica_id: str, block_hashes: Sequence[BlockHash],
                     pull_seconds_per_token: float | None) -> PullSource | None:
         """Where the replica should pull the blocks of the chain that neither it nor its node's pool holds, from

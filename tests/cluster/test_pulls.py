@@ -3,6 +3,7 @@
 import asyncio
 import socket
 
+from cluster import pulls as pulls_module
 from cluster.pulls import PoolPuller
 from replica.async_engine import EngineRequest
 from replica.kv_cache.pool_transfer import PoolServer
@@ -18,15 +19,16 @@ REQUEST = EngineRequest("r1", list(range(4 * len(CHAIN))), CHAIN, SamplingParams
 
 
 class FakeRouterFeed:
-    """Answers every pull_source with the same source."""
+    """Answers every pull_source with the same source, and whether other nodes serve pools as told."""
 
-    def __init__(self, source: PullSource | None):
+    def __init__(self, source: PullSource | None, pools_elsewhere: bool = True):
         self.source = source
+        self.pools_elsewhere = pools_elsewhere
         self.calls = []
 
     async def call(self, method: str, *args):
         self.calls.append((method, *args))
-        return self.source
+        return self.pools_elsewhere if method == "pools_elsewhere" else self.source
 
 
 def puller(tmp_path, feed: FakeRouterFeed, timeout_s: float = 5.0) -> tuple[PoolPuller, FakeRouterClient]:
@@ -50,7 +52,8 @@ def test_a_request_pulls_the_blocks_the_router_names_and_measures_the_pull(tmp_p
     pulls, feed = asyncio.run(test())
     assert (pulls.num_pulled_tokens, pulls.num_failures) == (2 * 3 * BLOCK_SIZE, 0)
     assert node_pool(tmp_path, "b").contents() == set(CHAIN[1:4])
-    [(_, replica, hashes, unmeasured), (*_, measured)] = feed.calls
+    [asked_for_pools, (_, replica, hashes, unmeasured), (*_, measured)] = feed.calls
+    assert asked_for_pools == ("pools_elsewhere", "b")  # once: the answer holds POOLS_CHECK_INTERVAL_S
     assert (replica, hashes, unmeasured) == ("b", CHAIN, None)
     assert measured > 0  # seconds a pulled token took
 
@@ -79,3 +82,17 @@ def test_a_pull_that_takes_too_long_is_given_up(tmp_path):
     client = asyncio.run(test())
     assert node_pool(tmp_path, "b").contents() == set()
     assert client.resets == 1
+
+
+def test_where_no_other_node_serves_a_pool_requests_do_not_ask_where_to_pull_from(tmp_path, monkeypatch):
+    feed = FakeRouterFeed(PullSource(("127.0.0.1", 1), 0, 2), pools_elsewhere=False)
+    pulls, _ = puller(tmp_path, feed)
+    asyncio.run(pulls.pull_for(REQUEST))
+    asyncio.run(pulls.pull_for(REQUEST))
+    assert feed.calls == [("pools_elsewhere", "b")]
+    monkeypatch.setattr(pulls_module, "POOLS_CHECK_INTERVAL_S", 0.0)  # the next request asks again
+    feed.pools_elsewhere = True
+    feed.source = None
+    asyncio.run(pulls.pull_for(REQUEST))
+    assert feed.calls[1:] == [("pools_elsewhere", "b"), ("pull_source", "b", CHAIN, None)]
+    assert (pulls.num_pulled_tokens, pulls.num_failures) == (0, 0)

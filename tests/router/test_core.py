@@ -502,6 +502,13 @@ def test_a_replica_pulls_what_neither_it_nor_its_node_holds_from_the_pool_holdin
     assert router.pull_source("a", chain(1, 2, 3, 4, 5), None) == PullSource(("10.0.0.1", 3), 2, 2)
 
 
+def test_pools_elsewhere_are_those_of_other_nodes_while_their_replicas_last():
+    router = pull_router()
+    assert [router.pools_elsewhere(replica_id) for replica_id in "abcd"] == [True, True, True, False]  # d: none
+    router.remove_replica("c")
+    assert [router.pools_elsewhere(replica_id) for replica_id in "abc"] == [False, False, False]
+
+
 def test_a_pull_happens_only_while_a_pulled_token_costs_less_than_a_computed_one():
     router = pull_router(compute_seconds_per_token=0.002)
     assert router.pull_source("a", chain(1, 2, 3, 4), 0.0019) == PullSource(("10.0.0.1", 3), 2, 2)
