@@ -9,6 +9,9 @@ import random
 import shutil
 import socket
 
+# Serve holds a stopping direct-ingress replica open at least this long (30 s by default) for load balancers to
+# deregister it; an HAProxy on this cluster's own machine does in under a second, and Ctrl-C took 30 s more.
+LOCAL_DRAIN_S = 2.0
 # Below Serve's direct-ingress replica ports (30000-31000) and the kernel's ephemeral ones (32768-60999 by default)
 _PICKED_PORTS = range(20000, 30000)
 DIRECT_INGRESS_ENV = {
@@ -33,7 +36,8 @@ def haproxy_binary() -> str | None:
 def enable_direct_ingress() -> None:
     """Turn direct ingress on for this process and the Ray cluster it starts; before ray.serve is imported.
     HAProxy's statistics and Prometheus ports (Serve's defaults 8404 and 9101, which a second cluster on the
-    machine would find taken) are free ports, unless set."""
+    machine would find taken) are free ports, and a replica's least drain LOCAL_DRAIN_S, unless set."""
+    os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", str(LOCAL_DRAIN_S))
     taken: set[int] = set()
     for name in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"):
         if name not in os.environ:

@@ -134,7 +134,8 @@ def serve_env(monkeypatch):
     """This process's environment without Serve's HAProxy variables, restored after the test: the clusters of
     later tests keep Serve's own proxy."""
     monkeypatch.setattr(os, "environ", os.environ.copy())
-    for name in [*direct_ingress.DIRECT_INGRESS_ENV, "RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"]:
+    for name in [*direct_ingress.DIRECT_INGRESS_ENV, "RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
+                 "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"]:
         os.environ.pop(name, None)
     return os.environ
 
@@ -153,6 +154,7 @@ def test_the_direct_front_door_turns_haproxy_mode_on_for_the_cluster_to_come(mon
     ports = {int(serve_env[name]) for name in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")}
     assert len(ports) == 2 and not ports & {8404, 9101}  # Serve's defaults: a second cluster would find them taken
     assert all(20000 <= port < 30000 for port in ports)  # below the ports of Serve's replicas and the kernel's picks
+    assert serve_env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "2.0"  # Serve's 30 s held up Ctrl-C
 
 
 def test_haproxys_ports_are_ones_that_nothing_listens_on_anywhere():
