@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--engine-transport", choices=["grpc", "ray"], default="grpc",
                          help="how an ingress replica calls the engine replicas: Ray Serve's gRPC straight to the "
                               "replica, or Ray actor tasks and object refs (default: %(default)s)")
-    cluster.add_argument("--engine-core", choices=["process", "thread"], default="thread",
+    cluster.add_argument("--engine-core", choices=["process", "thread"], default="process",
                          help="where an engine replica steps its engine: a process of its own, one message per "
                               "step, or a thread of the replica's process (default: %(default)s)")
     cluster.add_argument("--front-door", choices=["auto", "direct", "ingress"], default="auto",

@@ -65,7 +65,7 @@ class ClusterConfig(pydantic.BaseModel):
     # Where an engine replica steps its engine core: "process", a process of its own that sends one message per
     # step (its interpreter free of the replica's Ray and Serve machinery), or "thread", a thread of the replica's
     # process. A tensor-parallel replica steps in a thread: its ranks are Ray actors that the replica creates.
-    engine_core: Literal["process", "thread"] = "thread"
+    engine_core: Literal["process", "thread"] = "process"
     # How requests reach the engines: "ingress", through Serve's proxy to ingress replicas that route each to an
     # engine replica and relay its tokens (two hops a token, and migration off a lost replica); "direct", through
     # HAProxy, which asks a router replica where each goes and forwards it to that engine replica's own HTTP

@@ -46,11 +46,11 @@ def test_flags_reach_the_config(monkeypatch):
                    "least_loaded", "--no-prefix-caching", "--dtype", "float32", "--replica-cpus", "2")
     assert config.num_replicas == 3
     routers = parse("--ingress-replicas", "2", "--router-sync-interval-s", "0.05", "--publish-interval-s", "0.03",
-                    "--stream-interval-s", "0.2", "--engine-transport", "ray", "--engine-core", "process")
+                    "--stream-interval-s", "0.2", "--engine-transport", "ray", "--engine-core", "thread")
     assert (routers.ingress_replicas, routers.router_sync_interval_s, routers.publish_interval_s,
             routers.stream_interval_s, routers.engine_transport, routers.engine_core) == (2, 0.05, 0.03, 0.2, "ray",
-                                                                                          "process")
-    assert (config.stream_interval_s, config.engine_transport, config.engine_core) == (0.0, "grpc", "thread")
+                                                                                          "thread")
+    assert (config.stream_interval_s, config.engine_transport, config.engine_core) == (0.0, "grpc", "process")
     assert (config.front_door, parse("--front-door", "direct").front_door) == ("ingress", "direct")
     assert config.routing == "least_loaded"
     assert config.api_key == "from-env"
