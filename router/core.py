@@ -343,6 +343,8 @@ class Router:
                            request.session_turn, self._sessions.expected_tokens(request.session_turn, uncached))
         if booked_from is not None:
             self.index.book(decision.replica_id, block_hashes, booked_from)
+        if session_id is not None:
+            self._sessions.remember(session_id, decision.replica_id, request.session_turn, now)
         replica.add(booking)
         self._bookings[request_id] = booking
 
@@ -353,8 +355,6 @@ class Router:
             if now - booking.routed_at < self.config.booking_ttl_s:
                 return
             self.release(booking.request_id)
-            if booking.session_id is not None:  # most likely still queued or running: its next turn follows it
-                self._sessions.remember(booking.session_id, booking.replica_id, booking.session_turn, now)
 
     def _report(self, replica_id: str, stats: SchedulerStats, finished: list[FinishedRequest]) -> _Replica:
         replica = self._replica(replica_id)

@@ -57,7 +57,10 @@ class ParkedSessions:
 
     def park(self, session_id: str, replica_id: str, num_turns: int, num_uncached_tokens: int, now: float) -> None:
         """The session's turn number num_turns, num_uncached_tokens of its prompt not cached when routed,
-        finished on replica_id."""
+        finished on replica_id. A finish reported after its next turn arrived parks nothing."""
+        remembered = self._remembered.get(session_id)
+        if remembered is not None and remembered.num_turns > num_turns:
+            return
         self._uncount(self._counted.pop(session_id, None))
         self._remembered.pop(session_id, None)  # re-inserted below, so both stay oldest first
         expected = num_uncached_tokens * self._return_rates[num_turns >= 2].value
@@ -66,8 +69,8 @@ class ParkedSessions:
         self._num_counted[replica_id] += 1
 
     def remember(self, session_id: str, replica_id: str, num_turns: int, now: float) -> None:
-        """The session's turn number num_turns went to replica_id and its finish may never be reported (its
-        booking expired): its next turn is still a later turn."""
+        """The session's turn number num_turns went to replica_id: its next turn is a later turn, whether it
+        arrives before this one's finish is reported, or after its booking expired with no finish reported."""
         self._remembered.pop(session_id, None)
         self._remembered[session_id] = _Parked(replica_id, now, num_turns, 0.0)
 

@@ -313,6 +313,22 @@ def test_a_turn_that_outlives_its_booking_leaves_its_next_turn_with_its_session(
         RoutingDecision("a", 10, "prefix_hit")
 
 
+def test_a_turn_sent_before_its_last_turns_finish_is_reported_stays_with_its_session():
+    router = make_router(request_cost_tokens=64, step_overhead_tokens=0)
+    publish(router, "b", 1)
+    history = chain(*range(1, 11))
+    assert router.choose("s/1", history, ["a"], session_id="s").replica_id == "a"
+    publish(router, "a", 1, [stored(history)], num_running=20)  # s/1 computed; its finish not reported yet
+    # the client has s/1's answer and sends the next turn: 8 on a against 88 on b (as a first turn, 8 + 64 x 20)
+    assert router.choose("s/2", chain(*range(1, 12)), ["a", "b"], session_id="s") == \
+        RoutingDecision("a", 10, "prefix_hit")
+    # s/1's finish, reported now, leaves the session's turns counted from s/2
+    publish(router, "a", 2, finished=[FinishedRequest("s/1", 0)], num_running=20)
+    assert router.snapshot().replicas["a"].num_parked_sessions == 0
+    assert router.choose("s/3", chain(*range(1, 13)), ["a", "b"], session_id="s") == \
+        RoutingDecision("a", 10, "prefix_hit")
+
+
 def test_preemptions_within_the_window_turn_requests_away():
     clock = FakeClock()
     router = make_router(clock, preemption_window_s=10.0, assume_routed_prefix_cached=False)
