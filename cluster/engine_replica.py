@@ -3,6 +3,7 @@ that also serves the OpenAI API itself (the direct front door)."""
 import asyncio
 import dataclasses
 import functools
+import operator
 from collections.abc import AsyncIterator, Callable
 
 import ray
@@ -17,11 +18,9 @@ from cluster.metrics import ServingMetrics
 from cluster.publisher import RouterPublisher
 from cluster.pulls import PoolPuller
 from cluster.serving import OpenAIServing
-from cluster.tp_workers import RayExecutor
 from replica.async_engine import AsyncEngine, EngineOutput, EngineRequest, ModelInfo, ReplicaStats
 from replica.config import EngineConfig
 from replica.core_process import EngineCoreLost, ProcessEngine, core_of
-from replica.engine import EngineCore
 from replica.executor.checkpoint import load_checkpoint
 from router.actor import RouterClient
 
@@ -41,7 +40,10 @@ class EngineReplica:
         self._publisher = RouterPublisher(self.replica_id, router(), send_interval_s=config.publish_interval_s)
         if config.engine_core == "process" and engine_config.tensor_parallel_size == 1:
             self._engine = await ProcessEngine.start(core_of(engine_config), after_step=self._publisher.record)
-        else:
+        else:  # torch is imported here only: the serving side of a core process runs without it (a second saved)
+            from cluster.tp_workers import RayExecutor
+            from replica.engine import EngineCore
+
             core = await asyncio.to_thread(EngineCore, engine_config, make_executor=RayExecutor)  # seconds
             self._engine = AsyncEngine(core, after_step=functools.partial(self._publisher.record, core))
         self._stream_interval_s = config.stream_interval_s
@@ -68,7 +70,7 @@ class EngineReplica:
             self._publisher.request_finished(request.request_id, num_cached_tokens)
 
     async def record_routing_stats(self) -> dict[str, float]:
-        return dataclasses.asdict(await self._engine.call(EngineCore.stats))
+        return dataclasses.asdict(await self._engine.call(operator.methodcaller("stats")))
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         return dataclasses.asdict(await self._engine.call(ReplicaStats.of))
