@@ -32,6 +32,14 @@ def test_paged_attention_bf16_decodes_and_chunks_match_reference(block_size):
     torch.testing.assert_close(out.double(), batch.dense_attention(), atol=1.6e-2, rtol=0)
 
 
+def test_paged_attention_many_decodes_beside_a_chunk_match_float64():
+    # 64 decodes of different lengths and a chunk whose context starts mid-block, in shuffled blocks
+    query_lens, seq_lens = [1] * 64 + [25], [5 + 7 * i for i in range(64)] + [61]
+    batch = make_paged_batch(query_lens, seq_lens, 9, 3, block_size=16, head_dim=64, seed=7)
+    torch.testing.assert_close(cpu_ops.paged_attention(*batch.args()).double(), batch.dense_attention(),
+                               atol=2e-6, rtol=0)
+
+
 def test_rms_norm_and_silu_bf16_round_like_torch():
     x, residual = torch.randn(8, 576).bfloat16(), torch.randn(8, 576).bfloat16()
     weight = torch.randn(576).bfloat16()
