@@ -9,7 +9,9 @@ HostPool (slots of no bytes) of --pool-ratio times their device blocks; its bloc
 waiting request loads the part of its prefix the pool holds past its device hit (a block takes bytes / load
 bandwidth, beside the forward pass) and the pool's changes reach the router as host-tier events. "fixed"
 prices a loaded token at 1 - --credit of a computed one, as llm-d (0.8) and Dynamo (0.75) do; "priced" at what
-the replica measured (its loads' time per token against its recent steps'). Hit rates are shares of all prompt
+the replica measured (its loads' time per token against its recent steps') plus the share of its KV cache that
+requests hold; "on evict" prices so too, but a block reaches the pool only when a device cache evicts it, not
+once computed (the write policy the engine does not take: a what-if). Hit rates are shares of all prompt
 tokens: on the device, and loaded from the pool.
 """
 import argparse
@@ -57,7 +59,8 @@ def arms(args: argparse.Namespace, spec: ClusterSpec) -> dict[str, tuple[Cluster
                      load_s_per_block=spec.block_size * BYTES_PER_TOKEN / (args.load_gbps * 1e9))
     return {"no pool": (spec, PolicyConfig()),
             f"fixed {args.credit:g}": (pooled, PolicyConfig(host_hit_credit=args.credit)),
-            "priced": (pooled, PolicyConfig())}
+            "priced": (pooled, PolicyConfig()),
+            "on evict": (replace(pooled, pool_write="evict"), PolicyConfig())}
 
 
 def run_cell(workload: str, num_replicas: int, seed: int, args: argparse.Namespace, spec: ClusterSpec,
@@ -84,8 +87,8 @@ def main() -> None:
     step_model = StepModel.load("calibrated")
     lines = ["| workload | N | seed | arm | hit rate | on the device | loaded from the pool | TTFT p50 (s) | p99 (s) | "
              "p50 / no pool | p99 / no pool |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    verdicts = ["| workload | N | priced p50 / fixed | priced p99 / fixed | priced p50 / no pool | holds |",
-                "|---|---|---|---|---|---|"]
+    verdicts = ["| workload | N | priced p50 / fixed | priced p99 / fixed | priced p50 / no pool | holds | "
+                "on evict p50 / priced | on evict p99 / priced |", "|---|---|---|---|---|---|---|---|"]
     started = time.perf_counter()
     for workload in args.workloads:
         capacities = {seed: capacity(workload, step_model, spec, seed) for seed in args.seeds}
@@ -93,16 +96,19 @@ def main() -> None:
             ratios = []
             for seed in args.seeds:
                 rows = dict(run_cell(workload, num_replicas, seed, args, spec, step_model, capacities[seed]))
-                base, fixed, priced = rows["no pool"], rows[f"fixed {args.credit:g}"], rows["priced"]
+                base, fixed, priced, evict = (rows[name] for name in ("no pool", f"fixed {args.credit:g}", "priced",
+                                                                      "on evict"))
                 for name, row in rows.items():
                     lines.append(f"| {workload} | {num_replicas} | {seed} | {name} | {row['hit']:.1%} | "
                                  f"{row['device']:.1%} | {row['loaded']:.1%} | {row['p50']:.2f} | {row['p99']:.2f} | "
                                  f"{row['p50'] / base['p50']:.2f}x | {row['p99'] / base['p99']:.2f}x |")
-                ratios.append((priced["p50"] / fixed["p50"], priced["p99"] / fixed["p99"], priced["p50"] / base["p50"]))
-            p50_fixed, p99_fixed, p50_base = (statistics.geometric_mean(column) for column in zip(*ratios))
+                ratios.append((priced["p50"] / fixed["p50"], priced["p99"] / fixed["p99"], priced["p50"] / base["p50"],
+                               evict["p50"] / priced["p50"], evict["p99"] / priced["p99"]))
+            p50_fixed, p99_fixed, p50_base, p50_evict, p99_evict = (statistics.geometric_mean(column)
+                                                                     for column in zip(*ratios))
             holds = p50_fixed <= 1 and p99_fixed <= 1
             verdicts.append(f"| {workload} | {num_replicas} | {p50_fixed:.2f}x | {p99_fixed:.2f}x | {p50_base:.2f}x | "
-                            f"{'yes' if holds else '**no**'} |")
+                            f"{'yes' if holds else '**no**'} | {p50_evict:.2f}x | {p99_evict:.2f}x |")
     text = "\n".join([
         "# The node's KV pool in the cluster simulator (benchmarks/sim_tiers.py)", "",
         "```", "python benchmarks/sim_tiers.py " + " ".join(sys.argv[1:]), "```", "",

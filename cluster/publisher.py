@@ -69,6 +69,7 @@ class RouterPublisher:
         if self.puller is not None:
             self._stats.pulled_tokens = self.puller.num_pulled_tokens
             self._stats.pull_failures = self.puller.num_failures
+            self._stats.pull_seconds_per_token = self.puller.seconds_per_token()
         self._recorded.set()
 
     async def close(self) -> None:

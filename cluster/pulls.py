@@ -3,9 +3,9 @@
 It serves its node's pool to the other nodes (replica/kv_cache/pool_transfer.py) and tells the router actor
 where (through its RouterPublisher). Before a request goes to the engine it asks the router whether another
 node's pool holds more of the request's prefix than this node does and whether pulling it beats computing it
-(Router.pull_source, priced with this replica's measured pull time a token); if so it copies those blocks into
-this node's pool, where the scheduler finds them as any pool hit and loads them. A pull that fails or takes
-longer than pull_timeout_s leaves the request to compute them.
+(Router.pull_source, priced with this replica's measured pull time a token, which its stats carry to the router);
+if so it copies those blocks into this node's pool, where the scheduler finds them as any pool hit and loads
+them. A pull that fails or takes longer than pull_timeout_s leaves the request to compute them.
 """
 import asyncio
 import logging
@@ -35,7 +35,7 @@ class PoolPuller:
         self._router = router
         self._block_size = block_size
         self._timeout_s = timeout_s
-        self._rate = LoadRate()
+        self._rate = LoadRate(time.monotonic)
         self.served: PoolServed | None = None  # where, once started
         self.num_pulled_tokens = 0
         self.num_failures = 0
@@ -50,6 +50,10 @@ class PoolPuller:
     def close(self) -> None:
         self._server.close()
         self._pool.close()
+
+    def seconds_per_token(self) -> float | None:
+        """The recent pulls' time a token (the router prices this replica's pulls with it); None before any."""
+        return self._rate.seconds_per_token()
 
     async def pull_for(self, request: EngineRequest) -> None:
         if not request.block_hashes:
@@ -66,8 +70,7 @@ class PoolPuller:
         feed = await self._router.get("pulls")
         if not await self._pools_elsewhere(feed):
             return
-        source: PullSource | None = await feed.call("pull_source", self._replica_id, request.block_hashes,
-                                                    self._rate.seconds_per_token())
+        source: PullSource | None = await feed.call("pull_source", self._replica_id, request.block_hashes)
         if source is None:
             return
         started = time.monotonic()

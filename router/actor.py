@@ -74,10 +74,9 @@ class RouterActor(FeedingRouter):
         with self._news:
             return super().pools_elsewhere(replica_id)
 
-    def pull_source(self, replica_id: str, block_hashes: list[BlockHash],
-                    pull_seconds_per_token: float | None) -> PullSource | None:
+    def pull_source(self, replica_id: str, block_hashes: list[BlockHash]) -> PullSource | None:
         with self._news:
-            return super().pull_source(replica_id, block_hashes, pull_seconds_per_token)
+            return super().pull_source(replica_id, block_hashes)
 
     def share(self, follower: str, bookings: list[SharedBooking]) -> None:
         """Bookings as a follower makes them: the others' held syncs return with them at once."""

@@ -12,6 +12,7 @@ replica reports it finished. A booking that does not run where it was routed (Se
 another replica, the caller left) is rolled back.
 """
 import random
+import statistics
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
@@ -57,14 +58,58 @@ class PreemptionWindow:
             self._samples.popleft()
 
 
+class PeerLoadCosts:
+    """The replicas' measured costs of loading a token from their node's pool; a replica that has not measured its own
+    (no load yet, or none lately) is priced at their median: they run one model on alike machines, and a fixed guess
+    far from what they measure sends the cluster's first loads elsewhere than its later ones."""
+
+    def __init__(self) -> None:
+        self._costs: dict[str, float] = {}
+        self._median: float | None = None
+        self._changed = False
+
+    def report(self, replica_id: str, cost: float | None) -> None:
+        if self._costs.get(replica_id) == cost:
+            return
+        if cost is None:
+            self._costs.pop(replica_id, None)
+        else:
+            self._costs[replica_id] = cost
+        self._changed = True
+
+    def median(self) -> float | None:
+        if self._changed:
+            self._median = statistics.median(self._costs.values()) if self._costs else None
+            self._changed = False
+        return self._median
+
+
+@dataclass(slots=True)
+class PoolDepths:
+    """How far into a request's chain, from its first block on, the two pools holding most of it hold it: what a
+    replica of any node could pull from another node's pool."""
+    deepest: tuple[int, str] = (0, "")  # (blocks, pool)
+    second: tuple[int, str] = (0, "")
+
+    def add(self, num_blocks: int, pool: str) -> None:
+        if num_blocks > self.deepest[0]:
+            self.deepest, self.second = (num_blocks, pool), self.deepest
+        elif num_blocks > self.second[0]:
+            self.second = (num_blocks, pool)
+
+    def elsewhere(self, pool: str) -> int:
+        """Blocks the deepest pool other than this one holds."""
+        return self.second[0] if self.deepest[1] == pool else self.deepest[0]
+
+
 @dataclass(slots=True, eq=False)
 class _Booking:
     request_id: str
     replica_id: str
     block_hashes: Sequence[BlockHash]
     num_prompt_tokens: int
-    num_uncached_tokens: int
-    num_uncached_blocks: int
+    num_computed_tokens: int  # prompt tokens the replica lacked when routed, on its device and in its node's pool
+    num_new_blocks: int  # device blocks it takes: those it computes and those it loads from the pool
     routed_at: float
     report_number: int  # the replica's number of reports when the request was routed
     booked_from: int | None  # its blocks from here on count as cached on the replica; None: not booked
@@ -84,7 +129,7 @@ class _Replica:
     uncovered: deque[_Booking] = field(default_factory=deque)  # bookings its reports may not count yet
     uncovered_tokens: int = 0
     uncovered_blocks: int = 0
-    booked_tokens: int = 0  # uncached prompt tokens of every booking: the most prefill they can still need
+    booked_tokens: int = 0  # computed prompt tokens of every booking: the most prefill they can still need
     booked_context_tokens: int = 0  # prompt tokens of every booking: the context its decodes attend to
     session_tokens: float = 0.0  # what the sessions of its bookings are expected to bring per turn
 
@@ -110,13 +155,13 @@ class _Replica:
             self._count_uncovered(booking, -1)
 
     def _count_booked(self, booking: _Booking, sign: int) -> None:
-        self.booked_tokens += sign * booking.num_uncached_tokens
+        self.booked_tokens += sign * booking.num_computed_tokens
         self.booked_context_tokens += sign * booking.num_prompt_tokens
         self.session_tokens += sign * booking.session_tokens
 
     def _count_uncovered(self, booking: _Booking, sign: int) -> None:
-        self.uncovered_tokens += sign * booking.num_uncached_tokens
-        self.uncovered_blocks += sign * booking.num_uncached_blocks
+        self.uncovered_tokens += sign * booking.num_computed_tokens
+        self.uncovered_blocks += sign * booking.num_new_blocks
 
     def candidate(self, replica_id: str, matched_blocks: int, num_cached_blocks: int, parked_session_tokens: float,
                   now: float) -> Candidate:
@@ -134,9 +179,12 @@ class _Replica:
         # it up only at admission), and overcounts a long cached history by all of it; a booking
         # counts what the replica lacked when routed. Both are upper bounds: take the smaller.
         pending = min(stats.num_prefill_tokens_pending + self.uncovered_tokens, self.booked_tokens)
-        return Candidate(replica_id, matched_blocks, num_requests, pending,
-                         stats.num_free_blocks - self.uncovered_blocks, self.preemptions.count(now), num_cached_blocks,
-                         session_tokens, self.booked_context_tokens, load_token_cost=stats.host_load_token_cost)
+        free_blocks = stats.num_free_blocks - self.uncovered_blocks
+        # what it routed since counts too; a replica that does not say its size, as it last reported
+        kv_usage = min(max(1.0 - free_blocks / stats.num_blocks, 0.0), 1.0) if stats.num_blocks else stats.kv_usage
+        return Candidate(replica_id, matched_blocks, num_requests, pending, free_blocks, self.preemptions.count(now),
+                         num_cached_blocks, session_tokens, self.booked_context_tokens,
+                         load_token_cost=stats.host_load_token_cost, kv_usage=kv_usage)
 
 
 class Router:
@@ -155,6 +203,7 @@ class Router:
         self._sessions = ParkedSessions(config.session_ttl_s)
         self._decisions: Counter[str] = Counter()
         self._pool_servers: dict[str, PoolServed] = {}  # replica -> where its node's pool is served
+        self._load_costs = PeerLoadCosts()
 
     def choose(self, request_id: str, block_hashes: Sequence[BlockHash], candidates: Sequence[str], *,
                num_prompt_tokens: int | None = None, session_id: str | None = None,
@@ -171,12 +220,14 @@ class Router:
             raise ValueError("no candidate replicas to route to")
         request, now = self._arrive(request_id, block_hashes, num_prompt_tokens, session_id)
         matched = self.index.match(block_hashes)
+        pools = self._pool_depths(block_hashes)
         if route_to in candidates:
             decision = RoutingDecision(route_to, matched.get(route_to, 0), "directed")
         else:
             decision = self._policy.choose(request, [
-                self._candidate(replica_id, block_hashes, matched.get(replica_id, 0), now) for replica_id in candidates])
-        self._book(request_id, decision, request, block_hashes, now, session_id)
+                self._candidate(replica_id, block_hashes, matched.get(replica_id, 0), now, pools)
+                for replica_id in candidates])
+        self._book(request_id, decision, request, block_hashes, now, session_id, pools)
         self._decisions[decision.outcome] += 1
         return decision
 
@@ -188,7 +239,7 @@ class Router:
             return
         request, now = self._arrive(request_id, block_hashes, num_prompt_tokens, session_id)
         decision = RoutingDecision(replica_id, self.index.match(block_hashes).get(replica_id, 0), "booked")
-        self._book(request_id, decision, request, block_hashes, now, session_id)
+        self._book(request_id, decision, request, block_hashes, now, session_id, self._pool_depths(block_hashes))
 
     def _arrive(self, request_id: str, block_hashes: Sequence[BlockHash], num_prompt_tokens: int | None,
                 session_id: str | None) -> tuple[RequestShape, float]:
@@ -217,7 +268,8 @@ class Router:
                                booking.session_turn)
         matched_blocks = self.index.match(booking.block_hashes).get(replica_id, 0)
         decision = RoutingDecision(replica_id, matched_blocks, "fallback")
-        self._book(request_id, decision, request, booking.block_hashes, booking.routed_at, booking.session_id)
+        self._book(request_id, decision, request, booking.block_hashes, booking.routed_at, booking.session_id,
+                   self._pool_depths(booking.block_hashes))
 
     def replica_states(self) -> list[ReplicaState]:
         """What each reporting replica last told: enough for another Router to resync every one of them."""
@@ -270,8 +322,7 @@ class Router:
         own = self._pool_servers.get(replica_id)
         return own is not None and any(served.pool != own.pool for served in self._pool_servers.values())
 
-    def pull_source(self, replica_id: str, block_hashes: Sequence[BlockHash],
-                    pull_seconds_per_token: float | None) -> PullSource | None:
+    def pull_source(self, replica_id: str, block_hashes: Sequence[BlockHash]) -> PullSource | None:
         """Where the replica should pull the blocks of the chain that neither it nor its node's pool holds, from
         the other pool that holds the most of them; None where none does, or where pulling a token costs the
         replica (its measured pull time against its compute rate) at least what computing one does."""
@@ -285,16 +336,14 @@ class Router:
         address = max(runs, key=runs.__getitem__, default=None)
         if address is None or not runs[address]:
             return None
-        replica = self._replicas.get(replica_id)
-        compute_seconds_per_token = replica.snapshot.stats.compute_seconds_per_token if replica and replica.snapshot \
-            else None
-        if pull_token_cost(self.config, pull_seconds_per_token, compute_seconds_per_token) >= 1:
+        if self._pull_token_cost(replica_id) >= 1:
             return None
         return PullSource(address, start, runs[address])
 
     def remove_replica(self, replica_id: str) -> None:
         self._removed.add(replica_id)
         self._pool_servers.pop(replica_id, None)
+        self._load_costs.report(replica_id, None)
         replica = self._replicas.pop(replica_id, None)
         if replica is not None:
             for request_id in replica.bookings:
@@ -319,14 +368,47 @@ class Router:
         return RouterSnapshot(self.config.policy, replicas, dict(self._decisions))
 
     def _candidate(self, replica_id: str, block_hashes: Sequence[BlockHash], matched_blocks: int,
-                   now: float) -> Candidate:
+                   now: float, pools: PoolDepths | None = None) -> Candidate:
         replica = self._replicas.get(replica_id)
         if replica is None:
             return Candidate(replica_id, matched_blocks)
         candidate = replica.candidate(replica_id, matched_blocks, self.index.num_blocks(replica_id),
                                       self._sessions.returning_tokens(replica_id), now)
-        candidate.loadable_blocks = self.index.host_run(replica_id, block_hashes, matched_blocks)
+        candidate.loadable_blocks, candidate.pullable_blocks = self._fetchable(replica_id, block_hashes,
+                                                                               matched_blocks, pools)
+        if candidate.loadable_blocks and candidate.load_token_cost is None:
+            candidate.load_token_cost = self._load_costs.median()
+        if candidate.pullable_blocks:
+            candidate.pull_token_cost = self._pull_token_cost(replica_id)
         return candidate
+
+    def _fetchable(self, replica_id: str, block_hashes: Sequence[BlockHash], matched_blocks: int,
+                   pools: PoolDepths | None) -> tuple[int, int]:
+        """Blocks of the chain past its device hit the replica would load from its node's pool, and past those, pull
+        from another node's (while pulling beats computing)."""
+        loadable = self.index.host_run(replica_id, block_hashes, matched_blocks)
+        own = self._pool_servers.get(replica_id)
+        if pools is None or own is None:
+            return loadable, 0
+        pullable = pools.elsewhere(own.pool) - matched_blocks - loadable
+        return loadable, pullable if pullable > 0 and self._pull_token_cost(replica_id) < 1 else 0
+
+    def _pool_depths(self, block_hashes: Sequence[BlockHash]) -> PoolDepths | None:
+        """None unless the pools of two nodes or more are served (only then may a replica pull)."""
+        if len(self._pool_servers) < 2:
+            return None
+        depths, seen = PoolDepths(), set()
+        for replica_id, served in self._pool_servers.items():
+            if served.pool not in seen:
+                seen.add(served.pool)
+                depths.add(self.index.host_run(replica_id, block_hashes, 0), served.pool)
+        return depths if len(seen) > 1 else None
+
+    def _pull_token_cost(self, replica_id: str) -> float:
+        replica = self._replicas.get(replica_id)
+        stats = replica.snapshot.stats if replica and replica.snapshot else None
+        return pull_token_cost(self.config, stats and stats.pull_seconds_per_token,
+                               stats and stats.compute_seconds_per_token)
 
     def _session_turn(self, previous: _Booking | None, session_id: str | None) -> int:
         if previous is not None:
@@ -334,13 +416,16 @@ class Router:
         return 1 + self._sessions.arrive(session_id) if session_id is not None else 0
 
     def _book(self, request_id: str, decision: RoutingDecision, request: RequestShape,
-              block_hashes: Sequence[BlockHash], now: float, session_id: str | None) -> None:
+              block_hashes: Sequence[BlockHash], now: float, session_id: str | None, pools: PoolDepths | None) -> None:
         replica = self._replica(decision.replica_id)
-        booked_from = decision.matched_blocks if self.config.assume_routed_prefix_cached else None
-        uncached = request.num_uncached_tokens(decision.matched_blocks)
-        booking = _Booking(request_id, decision.replica_id, block_hashes, request.num_prompt_tokens, uncached,
+        matched = decision.matched_blocks
+        booked_from = matched if self.config.assume_routed_prefix_cached else None
+        uncached = request.num_uncached_tokens(matched)
+        computed = request.num_uncached_tokens(matched + sum(self._fetchable(decision.replica_id, block_hashes, matched,
+                                                                            pools)))
+        booking = _Booking(request_id, decision.replica_id, block_hashes, request.num_prompt_tokens, computed,
                            -(-uncached // self.block_size), now, replica.num_reports, booked_from, session_id,
-                           request.session_turn, self._sessions.expected_tokens(request.session_turn, uncached))
+                           request.session_turn, self._sessions.expected_tokens(request.session_turn, computed))
         if booked_from is not None:
             self.index.book(decision.replica_id, block_hashes, booked_from)
         if session_id is not None:
@@ -364,16 +449,17 @@ class Router:
         if replica.snapshot is None:
             replica.snapshot = ReplicaSnapshot(stats)
         replica.snapshot.stats = stats
+        self._load_costs.report(replica_id, stats.host_load_token_cost)
         for request in finished:
             booking = self._bookings.get(request.request_id)
             if booking is None or booking.replica_id != replica_id:
                 continue  # routed without asking us (fallback), or already forgotten
             self.release(request.request_id)
             if booking.session_id is not None:
-                self._sessions.park(booking.session_id, replica_id, booking.session_turn, booking.num_uncached_tokens,
+                self._sessions.park(booking.session_id, replica_id, booking.session_turn, booking.num_computed_tokens,
                                     now)
             if request.num_cached_tokens is not None:
-                replica.snapshot.predicted_cached_tokens += booking.num_prompt_tokens - booking.num_uncached_tokens
+                replica.snapshot.predicted_cached_tokens += booking.num_prompt_tokens - booking.num_computed_tokens
                 replica.snapshot.actual_cached_tokens += request.num_cached_tokens
         return replica
 

@@ -69,12 +69,15 @@ class PolicyConfig(pydantic.BaseModel):
     replicas) that see the same replicas but not each other's last decisions then spread a burst
     instead of all sending it to the one cheapest replica (benchmarks/results/routing-sim-routers.md)."""
     host_hit_credit: float | None = pydantic.Field(None, ge=0, le=1)
-    """None: a block a replica would load from its node's pool costs what the replica measured loading a token
-    to cost against computing one (bytes over its load bandwidth, against its recent compute rate). A number:
-    a fixed credit instead, as llm-d (0.8) and Dynamo (0.75) give a host-tier hit: a loaded token costs 1 minus it
-    of a computed one."""
+    """None: a token a replica would load from its node's pool costs what the replica measured loading a token
+    to cost against computing one (bytes over its load bandwidth, against its recent compute rate), plus the share
+    of its KV cache that requests hold: a loaded token takes a device block as a computed one does, and where
+    running requests fill the cache it is memory, not compute, that a request waits for (a device hit takes
+    none). A number: a fixed credit instead, as llm-d (0.8) and Dynamo (0.75) give a host-tier hit: a loaded token
+    costs 1 minus it of a computed one. benchmarks/results/kv-tiers.md compares the two."""
     unmeasured_load_token_cost: float = pydantic.Field(0.25, ge=0, le=1)
-    """A loaded token's cost on a replica that has not measured it yet (no load, or no step, so far)."""
+    """A loaded token's cost on a replica that has not measured it (no load, or none lately) while no replica has: once
+    some have, their median (router.core.PeerLoadCosts)."""
     unmeasured_pull_token_cost: float = pydantic.Field(0.5, ge=0, le=1)
     """A token pulled from another node's pool costs the pulling replica this share of computing it until it has
     measured both (its pulls' time per token against its recent compute rate)."""
@@ -99,6 +102,9 @@ class Candidate:
     num_context_tokens: int = 0         # prompt tokens of the requests routed to it and not finished
     loadable_blocks: int = 0            # blocks of the chain past matched_blocks its node's pool holds
     load_token_cost: float | None = None  # its measured cost of loading a token, in tokens computed; None: unknown
+    kv_usage: float = 0.0               # the share of its KV cache that requests hold (not free, not evictable)
+    pullable_blocks: int = 0            # blocks past those it would pull from another node's pool, and then load
+    pull_token_cost: float = 0.0        # its cost of pulling a token, in tokens computed
 
 
 @dataclass(slots=True)
@@ -114,7 +120,7 @@ class RequestShape:
         return self.session_turn >= 2
 
     def num_loaded_tokens(self, matched_blocks: int, loadable_blocks: int) -> int:
-        """Tokens a replica would load from its node's pool rather than compute."""
+        """Tokens a replica would load from its node's pool (pulled there first or not) rather than compute."""
         return self.num_uncached_tokens(matched_blocks) - self.num_uncached_tokens(matched_blocks + loadable_blocks)
 
     def num_uncached_tokens(self, matched_blocks: int) -> int:
@@ -151,11 +157,14 @@ class PrefixPolicy:
     def cost(self, request: RequestShape, candidate: Candidate) -> float:
         """Tokens of prefill-equivalent work the request waits for and causes on this replica."""
         config = self.config
-        loaded = request.num_loaded_tokens(candidate.matched_blocks, candidate.loadable_blocks)
-        uncached = request.num_uncached_tokens(candidate.matched_blocks) - loaded
+        matched = candidate.matched_blocks
+        loaded = request.num_loaded_tokens(matched, candidate.loadable_blocks + candidate.pullable_blocks)
+        pulled = request.num_loaded_tokens(matched + candidate.loadable_blocks, candidate.pullable_blocks)
+        uncached = request.num_uncached_tokens(matched) - loaded
         queued = candidate.num_prefill_tokens_pending
         num_steps = max(1.0, (queued + uncached) / max(config.step_token_budget - candidate.num_requests, 1))
-        cost = (queued + config.uncached_token_weight * (uncached + self._load_token_cost(candidate) * loaded)
+        fetch_cost = self._load_token_cost(candidate) * loaded + candidate.pull_token_cost * pulled
+        cost = (queued + config.uncached_token_weight * (uncached + fetch_cost)
                 + num_steps * config.step_overhead_tokens + config.preemption_cost_tokens * candidate.recent_preemptions)
         if not request.follows_its_session:
             cost += (config.request_cost_tokens * candidate.num_requests
@@ -170,12 +179,14 @@ class PrefixPolicy:
         return cost
 
     def _load_token_cost(self, candidate: Candidate) -> float:
-        """A loaded token's cost as a share of a computed one's: the replica's measured one, or a fixed one."""
+        """A loaded token's cost as a share of a computed one's: the replica's measured copy and the device memory
+        it takes there, or a fixed one."""
         config = self.config
         if config.host_hit_credit is not None:
             return 1.0 - config.host_hit_credit
         measured = candidate.load_token_cost
-        return config.unmeasured_load_token_cost if measured is None else min(measured, 1.0)
+        copy = config.unmeasured_load_token_cost if measured is None else measured
+        return min(copy + candidate.kv_usage, 1.0)
 
 
 def pull_token_cost(config: PolicyConfig, pull_seconds_per_token: float | None,

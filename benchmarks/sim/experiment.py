@@ -32,6 +32,7 @@ class ClusterSpec:
     host_pool_blocks: int = 0    # the node's pool, in blocks per replica of the node; 0: no pool
     replicas_per_node: int = 8   # the replicas sharing a pool
     load_s_per_block: float = 0.0  # copying a block in from the pool (beside the step's forward pass)
+    pool_write: str = "through"  # blocks go to the pool once computed ("through") or once evicted ("evict")
 
 
 def simulate(programs: list[Program], num_replicas: int, policy: str, step_model: StepModel,
@@ -42,7 +43,8 @@ def simulate(programs: list[Program], num_replicas: int, policy: str, step_model
         pools = _node_pools(spec, num_replicas, pool_dir)
         replicas = [SimReplica(f"r{i}", spec.num_blocks, spec.block_size, step_model, clock, spec.queue_policy,
                                spec.max_model_len, _pin_trace(spec, f"r{i}"),
-                               pools[i // spec.replicas_per_node] if pools else None, spec.load_s_per_block)
+                               pools[i // spec.replicas_per_node] if pools else None, spec.load_s_per_block,
+                               spec.pool_write)
                     for i in range(num_replicas)]
         return _simulate(programs, replicas, policy, spec, seed, clock, config)
 

@@ -7,12 +7,13 @@ stats and the requests that finished, numbered 1, 2, 3...
 
 With a node's pool (the real HostPool, slots of no bytes), the scheduler loads at once, as the CPU engine's
 does: a block takes load_s_per_block, added to the step; the step's written-through blocks are stored at its
-end, and the pool's changes go out as host-tier events, as the engine's do.
+end, and the pool's changes go out as host-tier events, as the engine's do. pool_write "evict" stores a block
+only when the device cache evicts it instead (what the engine does not do: a what-if for the write policy).
 """
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from replica.kv_cache import BlockHash, KVCacheManager, KVEvent
+from replica.kv_cache import BlockHash, BlockPool, BlockRemoved, KVCacheBlock, KVCacheManager, KVEvent
 from replica.kv_cache.host_pool import HostPool, HostPoolWatcher, KVLoad
 from replica.request import Request, SamplingParams
 from replica.scheduler import ModelRunnerOutput, RequestOutput, Scheduler, SchedulerConfig, SchedulerOutput
@@ -37,11 +38,14 @@ class SimReplica:
     def __init__(self, replica_id: str, num_blocks: int, block_size: int, step_model: StepModel,
                  clock: Callable[[], float], queue_policy: str = "fcfs", max_model_len: int = 8192,
                  trace: SchedulerTrace | None = None, host_pool: HostPool | None = None,
-                 load_s_per_block: float = 0.0):
+                 load_s_per_block: float = 0.0, pool_write: str = "through"):
         self.replica_id = replica_id
         self.kv_cache_manager = KVCacheManager(num_blocks, block_size, watermark=WATERMARK,
                                                max_model_len=max_model_len, host_pool=host_pool)
         self.host_pool = host_pool
+        self._write_through = pool_write == "through"
+        if host_pool is not None and not self._write_through:
+            self.kv_cache_manager.block_pool = _WriteOnEvict(num_blocks, block_size, host_pool)
         self._watcher = HostPoolWatcher(host_pool, block_size) if host_pool is not None else None
         self.load_s_per_block = load_s_per_block
         self._load_s = 0.0  # loads of the step being scheduled
@@ -84,7 +88,7 @@ class SimReplica:
         requests = self.scheduler.requests
         req_ids = list(output.num_scheduled_tokens)
         sampled = [self._sample(requests[req_id]) for req_id in req_ids]
-        if output.kv_save is not None:
+        if output.kv_save is not None and self._write_through:
             self.host_pool.store(output.kv_save.block_hashes, _no_copy)
         outputs = self.scheduler.update_from_output(output, ModelRunnerOutput(req_ids, sampled))
         for result in outputs:
@@ -113,3 +117,19 @@ class SimReplica:
 
 def _no_copy(*slots) -> None:
     """The simulated pool's slots hold no bytes."""
+
+
+class _WriteOnEvict(BlockPool):
+    """A device block pool whose cached blocks go to the node's pool as they are evicted, not when computed."""
+
+    def __init__(self, num_blocks: int, block_size: int, host_pool: HostPool):
+        super().__init__(num_blocks, block_size)
+        self._host_pool = host_pool
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        num_events = len(self.events)
+        blocks = super().get_new_blocks(num_blocks)
+        for event in self.events[num_events:]:
+            if isinstance(event, BlockRemoved):
+                self._host_pool.store(event.block_hashes, _no_copy)
+        return blocks

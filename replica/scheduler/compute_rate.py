@@ -38,15 +38,27 @@ class ComputeRate:
 
 
 class LoadRate:
-    """How long loading a token from the node's pool has recently taken, from the loads' own timings."""
+    """How long loading a token (from the node's pool, or pulling it from another node's) has recently taken, from
+    the loads' own timings. A rate no load has renewed for max_age_s is forgotten: whatever slowed those loads
+    (pages touched for the first time, a busy network) may be gone, and a replica priced out of loading by an old
+    rate would never load again to measure a new one."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float], max_age_s: float = 60.0):
+        self._clock = clock
+        self._max_age_s = max_age_s
         self._seconds = 0.0
         self._tokens = 0.0
+        self._last_loaded = -math.inf
 
     def loaded(self, num_tokens: int, seconds: float) -> None:
+        if self._stale():
+            self._seconds = self._tokens = 0.0
         self._seconds = self._seconds * _DECAY + seconds
         self._tokens = self._tokens * _DECAY + num_tokens
+        self._last_loaded = self._clock()
 
     def seconds_per_token(self) -> float | None:
-        return self._seconds / self._tokens if self._tokens else None
+        return self._seconds / self._tokens if self._tokens and not self._stale() else None
+
+    def _stale(self) -> bool:
+        return self._clock() - self._last_loaded > self._max_age_s

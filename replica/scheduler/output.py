@@ -107,11 +107,14 @@ class SchedulerStats:
     host_load_token_cost: float | None = None
     compute_seconds_per_token: float | None = None  # its recent compute rate, with a node pool; None until measured
     # set by the serving side: prompt tokens its replica pulled from other nodes' pools into its own, and the
-    # pulls that failed or timed out (their requests computed the prefix instead), cumulative
+    # pulls that failed or timed out (their requests computed the prefix instead), cumulative; its recent pulls'
+    # seconds a token (None until it pulls)
     pulled_tokens: int = 0
     pull_failures: int = 0
+    pull_seconds_per_token: float | None = None
     num_prefill_tokens_pending: int = 0  # tokens of running and waiting requests still to prefill (or recompute)
     num_free_blocks: int = 0             # blocks a new request can take: free ones and evictable cached ones
+    num_blocks: int = 0                  # blocks requests can take at all (its KV cache, the null block left out)
     num_cached_blocks: int = 0           # blocks in the prefix cache's hash map: what the router's index mirrors
     pins: PinStats = field(default_factory=PinStats)
     spec_decoding: SpecDecodingStats = field(default_factory=SpecDecodingStats)

@@ -67,7 +67,7 @@ class Scheduler:
         self._pin_keeper = PinKeeper(config, kv_cache_manager, clock, self._trace)
         self._compute_rate = self._pin_keeper.compute_rate or (
             ComputeRate(clock) if kv_cache_manager.host_pool is not None else None)
-        self._load_rate = LoadRate()
+        self._load_rate = LoadRate(clock)
         match config.policy:
             case "priority":
                 self.waiting = PriorityRequestQueue()
@@ -483,6 +483,7 @@ class Scheduler:
             compute_seconds_per_token=self._compute_seconds_per_token(),
             num_prefill_tokens_pending=sum(map(_prefill_tokens_pending, itertools.chain(self.running, self.waiting))),
             num_free_blocks=self.kv_cache_manager.block_pool.get_num_free_blocks(),
+            num_blocks=self.kv_cache_manager.block_pool.num_blocks - 1,
             num_cached_blocks=len(self.kv_cache_manager.block_pool.cached_block_hash_to_block),
             pins=self._pin_keeper.snapshot(),
             spec_decoding=dataclasses.replace(

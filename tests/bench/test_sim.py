@@ -9,6 +9,7 @@ from benchmarks.sim.replica import SimReplica
 from benchmarks.sim.routers import make_router
 from benchmarks.sim.step_model import StepModel
 from benchmarks.sim.workloads import Program, Turn, assign_starts, make_workload
+from replica.kv_cache import hash_token_blocks
 from replica.kv_cache.host_pool import HostPool, HostPoolSpec
 
 BLOCK_SIZE = 16
@@ -108,3 +109,21 @@ def test_replicas_sharing_a_node_pool_load_from_it_and_the_index_mirrors_it(tmp_
         router.deliver(replica.replica_id, replica.publish())
         assert set(router.router.index.stored_hashes(replica.replica_id, "host")) == pool.contents()
     assert 0 < len(pool.contents()) <= 1024
+
+
+@pytest.mark.parametrize("pool_write", ["through", "evict"])
+def test_a_pool_written_through_holds_every_computed_block_and_one_written_on_evict_what_the_device_evicted(
+        tmp_path, pool_write):
+    pool = HostPool(HostPoolSpec(str(tmp_path / "pool"), 64, 1, "sim"))
+    replica = SimReplica("r0", 6, BLOCK_SIZE, STEP_MODEL, SimClock(), host_pool=pool, pool_write=pool_write)
+    chains = {}
+    for request_id, first_token in (("a", 100), ("b", 500)):  # 3 full blocks and a token each, of 5 blocks
+        prompt = list(range(first_token, first_token + 3 * BLOCK_SIZE + 1))
+        chains[request_id] = hash_token_blocks(prompt, BLOCK_SIZE)
+        replica.add(request_id, prompt, chains[request_id], [7], 0.0, request_id, True)
+        while replica.has_work():
+            replica.complete(replica.schedule()[0])
+    if pool_write == "through":
+        assert pool.contents() == {*chains["a"], *chains["b"]}
+    else:  # b took the one block a never used, a's partial block, then a's last two full ones, tail first
+        assert pool.contents() == set(chains["a"][1:])

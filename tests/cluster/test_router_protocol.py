@@ -228,14 +228,18 @@ class FakePuller:
     served: PoolServed
     num_pulled_tokens: int
     num_failures: int
+    pull_seconds_per_token: float
+
+    def seconds_per_token(self) -> float:
+        return self.pull_seconds_per_token
 
 
-def test_a_replica_serving_its_node_pool_tells_each_connection_where_and_sends_its_pull_counts():
+def test_a_replica_serving_its_node_pool_tells_each_connection_where_and_sends_its_pull_counts_and_rate():
     async def test():
         core, handle = FakeEngineCore(), FakeFeedConnection(new_router())
         client = FakeRouterClient(handle)
         publisher = RouterPublisher("r1", client)
-        publisher.puller = FakePuller(PoolServed(("127.0.0.1", 5000), "node-1:/dev/shm/kv"), 32, 1)
+        publisher.puller = FakePuller(PoolServed(("127.0.0.1", 5000), "node-1:/dev/shm/kv"), 32, 1, 0.0005)
         for _ in range(2):
             await record(publisher, core)
             await handle.deliver()
@@ -253,7 +257,7 @@ def test_a_replica_serving_its_node_pool_tells_each_connection_where_and_sends_i
     assert client.connection.delivered == [("serve_pool", "node-1:/dev/shm/kv"), ("publish", 3)]
     assert client.connection.actor._pool_servers == {"r1": PoolServed(("127.0.0.1", 5000), "node-1:/dev/shm/kv")}
     stats = client.connection.actor.snapshot().replicas["r1"].stats
-    assert (stats.pulled_tokens, stats.pull_failures) == (32, 1)
+    assert (stats.pulled_tokens, stats.pull_failures, stats.pull_seconds_per_token) == (32, 1, 0.0005)
 
 
 def test_an_unreachable_router_is_looked_up_once_per_retry_interval_then_resynced():

@@ -1,7 +1,7 @@
 """ComputeRate: a replica's recent busy seconds per computed token, from the steps the scheduler reports."""
 import pytest
 
-from replica.scheduler.compute_rate import ComputeRate
+from replica.scheduler.compute_rate import ComputeRate, LoadRate
 
 from .scheduler_helpers import FakeClock
 
@@ -46,3 +46,16 @@ def test_steps_without_tokens_are_not_steps():
     run_step(clock, rate, 10, start=1.0, end=2.0)
     rate.step_done(0)
     assert rate.seconds(10) == 1.0
+
+
+def test_a_load_rate_no_load_renews_is_forgotten_and_the_next_load_starts_it_afresh():
+    clock = FakeClock()
+    rate = LoadRate(clock, max_age_s=60.0)
+    assert rate.seconds_per_token() is None
+    rate.loaded(100, 0.5)  # slow: pages touched for the first time
+    clock.now = 60.0
+    assert rate.seconds_per_token() == 0.005
+    clock.now = 60.5
+    assert rate.seconds_per_token() is None
+    rate.loaded(100, 0.01)
+    assert rate.seconds_per_token() == 0.0001  # not blended with the forgotten 0.005

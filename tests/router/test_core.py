@@ -466,13 +466,50 @@ def test_a_prefix_in_a_replicas_node_pool_is_priced_at_its_measured_load_cost():
     policy = PrefixPolicy(router.config, None)
     # a: 2 x (1 computed + 0.05 x 15 loaded) + one step's 64; b: 2 x 16 computed + 64
     assert (policy.cost(request, a), policy.cost(request, b)) == (2 * (1 + 0.05 * 15) + 64, 2 * 16 + 64)
-    load_stats.host_load_token_cost = None  # unmeasured: 0.25
-    assert policy.cost(request, router._candidate("a", chain(1, 2, 3, 4), 0, 0.0)) == 2 * (1 + 0.25 * 15) + 64
-    load_stats.host_load_token_cost = 0.05
     assert router.choose("r1", chain(1, 2, 3, 4), ["a", "b"], num_prompt_tokens=16).replica_id == "a"
     router.release("r1")
     load_stats.num_running = 1  # a request's 64 more on a: computing it all on b is cheaper
     assert router.choose("r2", chain(1, 2, 3, 4), ["a", "b"], num_prompt_tokens=16).replica_id == "b"
+
+
+def test_a_loaded_token_also_costs_the_share_of_the_replicas_cache_that_requests_hold():
+    router = make_router()
+    load_stats = stats(free_blocks=50)
+    load_stats.num_blocks, load_stats.host_load_token_cost = 100, 0.05
+    router.publish("a", 1, [host_stored(chain(1, 2, 3, 4))], load_stats, [])
+    request = RequestShape(4, 16, BLOCK_SIZE)
+    a = router._candidate("a", chain(1, 2, 3, 4), 0, 0.0)
+    assert a.kv_usage == 0.5
+    # 15 loaded at 0.05 for the copy and 0.5 for the memory, the last token computed
+    assert PrefixPolicy(router.config, None).cost(request, a) == pytest.approx(2 * (1 + 0.55 * 15) + 64)
+    router.choose("r1", chain(7, 8, 9, 10, 11), ["a"], num_prompt_tokens=20)  # 5 blocks routed there since
+    assert router._candidate("a", chain(1, 2, 3, 4), 0, 0.0).kv_usage == 0.55
+
+
+def test_a_replica_that_has_not_measured_loading_is_priced_at_the_median_of_those_that_have():
+    router = make_router()
+    for replica_id, cost in (("a", 0.05), ("b", 0.01), ("c", None)):
+        replica_stats = stats()
+        replica_stats.host_load_token_cost = cost
+        router.publish(replica_id, 1, [host_stored(chain(1, 2))], replica_stats, [])
+    assert router._candidate("c", chain(1, 2), 0, 0.0).load_token_cost == pytest.approx(0.03)
+    assert router._candidate("c", chain(3), 0, 0.0).load_token_cost is None  # nothing to load
+    router.remove_replica("a")
+    assert router._candidate("c", chain(1, 2), 0, 0.0).load_token_cost == 0.01
+    router.remove_replica("b")
+    request = RequestShape(2, 8, BLOCK_SIZE)
+    candidate = router._candidate("c", chain(1, 2), 0, 0.0)
+    assert PrefixPolicy(router.config, None).cost(request, candidate) == 2 * (1 + 0.25 * 7) + 64  # none measured
+
+
+def test_a_booking_counts_what_its_replica_loads_from_the_pool_as_taking_blocks_but_no_prefill():
+    router = make_router(assume_routed_prefix_cached=False)
+    router.publish("a", 1, [stored(chain(1)), host_stored(chain(1, 2, 3))], stats(free_blocks=10), [])
+    router.choose("r1", chain(1, 2, 3, 4), ["a"], num_prompt_tokens=18)
+    candidate = router._candidate("a", chain(7), 0, 0.0)
+    # 18 tokens, 1 block on a's device, 2 more in its pool: 4 + 2 computed (block 4 and the partial one);
+    # 4 new device blocks (the pool's 2, block 4 and the partial one)
+    assert (candidate.num_prefill_tokens_pending, candidate.num_free_blocks) == (6, 6)
 
 
 def test_a_fixed_host_hit_credit_replaces_the_measured_cost():
@@ -495,13 +532,20 @@ def test_the_node_pools_blocks_reach_followers_through_replica_states():
     assert follower.snapshot().replicas["a"].index_host_blocks == 2
 
 
-def pull_router(compute_seconds_per_token: float | None = None) -> Router:
+def pool_stats(compute_seconds_per_token: float | None = None, pull_seconds_per_token: float | None = None,
+               **load) -> SchedulerStats:
+    replica_stats = stats(**load)
+    replica_stats.compute_seconds_per_token = compute_seconds_per_token
+    replica_stats.pull_seconds_per_token = pull_seconds_per_token
+    return replica_stats
+
+
+def pull_router(compute_seconds_per_token: float | None = None, pull_seconds_per_token: float | None = None) -> Router:
     """a and b on one node (one pool), c on another whose pool holds blocks 1-4 of the chain; a caches block 1
     on its device and its node's pool holds block 2."""
     router = make_router()
-    a_stats = stats()
-    a_stats.compute_seconds_per_token = compute_seconds_per_token
-    router.publish("a", 1, [stored(chain(1)), host_stored(chain(1, 2))], a_stats, [])
+    router.publish("a", 1, [stored(chain(1)), host_stored(chain(1, 2))],
+                   pool_stats(compute_seconds_per_token, pull_seconds_per_token), [])
     router.publish("b", 1, [host_stored(chain(1, 2))], stats(), [])
     router.publish("c", 1, [host_stored(chain(1, 2, 3, 4))], stats(), [])
     for replica_id, port, node in (("a", 1, "n1"), ("b", 2, "n1"), ("c", 3, "n2")):
@@ -511,11 +555,11 @@ def pull_router(compute_seconds_per_token: float | None = None) -> Router:
 
 def test_a_replica_pulls_what_neither_it_nor_its_node_holds_from_the_pool_holding_most_of_it():
     router = pull_router()
-    assert router.pull_source("a", chain(1, 2, 3, 4, 5), None) == PullSource(("10.0.0.1", 3), 2, 2)
-    assert router.pull_source("a", chain(1, 2), None) is None  # its node holds it all
-    assert router.pull_source("a", chain(9, 10), None) is None  # nobody does
+    assert router.pull_source("a", chain(1, 2, 3, 4, 5)) == PullSource(("10.0.0.1", 3), 2, 2)
+    assert router.pull_source("a", chain(1, 2)) is None  # its node holds it all
+    assert router.pull_source("a", chain(9, 10)) is None  # nobody does
     router.publish("b", 2, [host_stored(chain(1, 2, 3, 4, 5)[2:])], stats(), [])  # a's node: a's pool, seen late
-    assert router.pull_source("a", chain(1, 2, 3, 4, 5), None) == PullSource(("10.0.0.1", 3), 2, 2)
+    assert router.pull_source("a", chain(1, 2, 3, 4, 5)) == PullSource(("10.0.0.1", 3), 2, 2)
 
 
 def test_pools_elsewhere_are_those_of_other_nodes_while_their_replicas_last():
@@ -526,14 +570,42 @@ def test_pools_elsewhere_are_those_of_other_nodes_while_their_replicas_last():
 
 
 def test_a_pull_happens_only_while_a_pulled_token_costs_less_than_a_computed_one():
-    router = pull_router(compute_seconds_per_token=0.002)
-    assert router.pull_source("a", chain(1, 2, 3, 4), 0.0019) == PullSource(("10.0.0.1", 3), 2, 2)
-    assert router.pull_source("a", chain(1, 2, 3, 4), 0.002) is None
+    assert pull_router(0.002, 0.0019).pull_source("a", chain(1, 2, 3, 4)) == PullSource(("10.0.0.1", 3), 2, 2)
+    assert pull_router(0.002, 0.002).pull_source("a", chain(1, 2, 3, 4)) is None
+    router = pull_router(0.002, 0.0001)
     router.remove_replica("c")
-    assert router.pull_source("a", chain(1, 2, 3, 4), 0.0001) is None
+    assert router.pull_source("a", chain(1, 2, 3, 4)) is None
+
+
+def test_a_prefix_another_nodes_pool_holds_is_priced_at_the_replicas_pull_cost_and_booked_as_not_computed():
+    router = pull_router(compute_seconds_per_token=0.002, pull_seconds_per_token=0.0002)
+    candidate = router._candidate("a", chain(1, 2, 3, 4), 1, 0.0, router._pool_depths(chain(1, 2, 3, 4)))
+    assert (candidate.loadable_blocks, candidate.pullable_blocks, candidate.pull_token_cost) == (1, 2, 0.1)
+    # 16 tokens: block 1 on a's device; 11 loaded (block 2 from its node's pool, blocks 3-4 and 3 tokens of the
+    # last block pulled first), 7 of them pulled; the last token computed. None measured loading: 0.25 a token.
+    request = RequestShape(4, 16, BLOCK_SIZE)
+    assert PrefixPolicy(router.config, None).cost(request, candidate) == pytest.approx(
+        2 * (1 + 0.25 * 11 + 0.1 * 7) + 64)
+    router.choose("r", chain(1, 2, 3, 4), ["a"], num_prompt_tokens=16)
+    assert router._candidate("a", chain(9), 0, 0.0).num_prefill_tokens_pending == 1
+
+
+def test_a_replica_whose_node_lacks_a_prefix_is_chosen_for_a_pull_while_pulling_beats_computing():
+    def route(pull_seconds_per_token: float) -> str:
+        router = make_router()
+        router.publish("a", 1, [host_stored(chain(1, 2, 3, 4))], pool_stats(free_blocks=0), [])
+        router.publish("b", 1, [], pool_stats(0.002, pull_seconds_per_token), [])
+        for replica_id, node in (("a", "n1"), ("b", "n2")):
+            router.serve_pool(replica_id, PoolServed(("10.0.0.1", 1), node))
+        return router.choose("r", chain(1, 2, 3, 4), ["a", "b"], num_prompt_tokens=16).replica_id
+
+    # a, its cache full: 2 x (1 + 0.25 x 15 loaded) + 64 + 4 blocks short x 4 = 89.5; b computing: 2 x 16 + 64 = 96;
+    # b pulling at 0.1 of computing: 2 x (1 + 0.25 x 15 + 0.1 x 15) + 64 = 76.5
+    assert route(pull_seconds_per_token=0.0002) == "b"
+    assert route(pull_seconds_per_token=0.002) == "a"
 
 
 def test_a_request_routed_to_a_replica_does_not_count_as_held_there_when_it_asks_to_pull():
     router = pull_router()
     router.choose("r", chain(1, 2, 3, 4), ["a"], num_prompt_tokens=16)
-    assert router.pull_source("a", chain(1, 2, 3, 4), None) == PullSource(("10.0.0.1", 3), 2, 2)
+    assert router.pull_source("a", chain(1, 2, 3, 4)) == PullSource(("10.0.0.1", 3), 2, 2)
