@@ -374,24 +374,23 @@ class Router:
             return Candidate(replica_id, matched_blocks)
         candidate = replica.candidate(replica_id, matched_blocks, self.index.num_blocks(replica_id),
                                       self._sessions.returning_tokens(replica_id), now)
-        candidate.loadable_blocks, candidate.pullable_blocks = self._fetchable(replica_id, block_hashes,
-                                                                               matched_blocks, pools)
+        candidate.loadable_blocks, candidate.pullable_blocks, candidate.pull_token_cost = self._fetchable(
+            replica_id, block_hashes, matched_blocks, pools)
         if candidate.loadable_blocks and candidate.load_token_cost is None:
             candidate.load_token_cost = self._load_costs.median()
-        if candidate.pullable_blocks:
-            candidate.pull_token_cost = self._pull_token_cost(replica_id)
         return candidate
 
     def _fetchable(self, replica_id: str, block_hashes: Sequence[BlockHash], matched_blocks: int,
-                   pools: PoolDepths | None) -> tuple[int, int]:
+                   pools: PoolDepths | None) -> tuple[int, int, float]:
         """Blocks of the chain past its device hit the replica would load from its node's pool, and past those, pull
-        from another node's (while pulling beats computing)."""
+        from another node's while pulling beats computing, and what pulling a token costs it (0 if it pulls none)."""
         loadable = self.index.host_run(replica_id, block_hashes, matched_blocks)
         own = self._pool_servers.get(replica_id)
         if pools is None or own is None:
-            return loadable, 0
+            return loadable, 0, 0.0
         pullable = pools.elsewhere(own.pool) - matched_blocks - loadable
-        return loadable, pullable if pullable > 0 and self._pull_token_cost(replica_id) < 1 else 0
+        cost = self._pull_token_cost(replica_id) if pullable > 0 else 1.0
+        return (loadable, pullable, cost) if cost < 1 else (loadable, 0, 0.0)
 
     def _pool_depths(self, block_hashes: Sequence[BlockHash]) -> PoolDepths | None:
         """None unless the pools of two nodes or more are served (only then may a replica pull)."""
@@ -421,8 +420,8 @@ class Router:
         matched = decision.matched_blocks
         booked_from = matched if self.config.assume_routed_prefix_cached else None
         uncached = request.num_uncached_tokens(matched)
-        computed = request.num_uncached_tokens(matched + sum(self._fetchable(decision.replica_id, block_hashes, matched,
-                                                                            pools)))
+        loadable, pullable, _ = self._fetchable(decision.replica_id, block_hashes, matched, pools)
+        computed = request.num_uncached_tokens(matched + loadable + pullable)
         booking = _Booking(request_id, decision.replica_id, block_hashes, request.num_prompt_tokens, computed,
                            -(-uncached // self.block_size), now, replica.num_reports, booked_from, session_id,
                            request.session_turn, self._sessions.expected_tokens(request.session_turn, computed))
