@@ -223,11 +223,14 @@ class Router:
         pools = self._pool_depths(block_hashes)
         if route_to in candidates:
             decision = RoutingDecision(route_to, matched.get(route_to, 0), "directed")
+            num_fetched = self._num_fetched_blocks(route_to, block_hashes, decision.matched_blocks, pools)
         else:
-            decision = self._policy.choose(request, [
-                self._candidate(replica_id, block_hashes, matched.get(replica_id, 0), now, pools)
-                for replica_id in candidates])
-        self._book(request_id, decision, request, block_hashes, now, session_id, pools)
+            options = [self._candidate(replica_id, block_hashes, matched.get(replica_id, 0), now, pools)
+                       for replica_id in candidates]
+            decision = self._policy.choose(request, options)
+            chosen = next(option for option in options if option.replica_id == decision.replica_id)
+            num_fetched = chosen.loadable_blocks + chosen.pullable_blocks
+        self._book(request_id, decision, request, block_hashes, now, session_id, num_fetched)
         self._decisions[decision.outcome] += 1
         return decision
 
@@ -239,7 +242,8 @@ class Router:
             return
         request, now = self._arrive(request_id, block_hashes, num_prompt_tokens, session_id)
         decision = RoutingDecision(replica_id, self.index.match(block_hashes).get(replica_id, 0), "booked")
-        self._book(request_id, decision, request, block_hashes, now, session_id, self._pool_depths(block_hashes))
+        self._book(request_id, decision, request, block_hashes, now, session_id, self._num_fetched_blocks(
+            replica_id, block_hashes, decision.matched_blocks, self._pool_depths(block_hashes)))
 
     def _arrive(self, request_id: str, block_hashes: Sequence[BlockHash], num_prompt_tokens: int | None,
                 session_id: str | None) -> tuple[RequestShape, float]:
@@ -269,7 +273,8 @@ class Router:
         matched_blocks = self.index.match(booking.block_hashes).get(replica_id, 0)
         decision = RoutingDecision(replica_id, matched_blocks, "fallback")
         self._book(request_id, decision, request, booking.block_hashes, booking.routed_at, booking.session_id,
-                   self._pool_depths(booking.block_hashes))
+                   self._num_fetched_blocks(replica_id, booking.block_hashes, matched_blocks,
+                                            self._pool_depths(booking.block_hashes)))
 
     def replica_states(self) -> list[ReplicaState]:
         """What each reporting replica last told: enough for another Router to resync every one of them."""
@@ -392,6 +397,11 @@ class Router:
         cost = self._pull_token_cost(replica_id) if pullable > 0 else 1.0
         return (loadable, pullable, cost) if cost < 1 else (loadable, 0, 0.0)
 
+    def _num_fetched_blocks(self, replica_id: str, block_hashes: Sequence[BlockHash], matched_blocks: int,
+                            pools: PoolDepths | None) -> int:
+        loadable, pullable, _ = self._fetchable(replica_id, block_hashes, matched_blocks, pools)
+        return loadable + pullable
+
     def _pool_depths(self, block_hashes: Sequence[BlockHash]) -> PoolDepths | None:
         """None unless the pools of two nodes or more are served (only then may a replica pull)."""
         if len(self._pool_servers) < 2:
@@ -415,13 +425,13 @@ class Router:
         return 1 + self._sessions.arrive(session_id) if session_id is not None else 0
 
     def _book(self, request_id: str, decision: RoutingDecision, request: RequestShape,
-              block_hashes: Sequence[BlockHash], now: float, session_id: str | None, pools: PoolDepths | None) -> None:
+              block_hashes: Sequence[BlockHash], now: float, session_id: str | None, num_fetched_blocks: int) -> None:
+        """num_fetched_blocks: of the chain past its device hit, the blocks the replica loads or pulls."""
         replica = self._replica(decision.replica_id)
         matched = decision.matched_blocks
         booked_from = matched if self.config.assume_routed_prefix_cached else None
         uncached = request.num_uncached_tokens(matched)
-        loadable, pullable, _ = self._fetchable(decision.replica_id, block_hashes, matched, pools)
-        computed = request.num_uncached_tokens(matched + loadable + pullable)
+        computed = request.num_uncached_tokens(matched + num_fetched_blocks)
         booking = _Booking(request_id, decision.replica_id, block_hashes, request.num_prompt_tokens, computed,
                            -(-uncached // self.block_size), now, replica.num_reports, booked_from, session_id,
                            request.session_turn, self._sessions.expected_tokens(request.session_turn, computed))
