@@ -44,6 +44,11 @@ class PolicyConfig(pydantic.BaseModel):
     """Cost per token of context that the requests routed to the replica attend to: every decode step
     reads them all, so a replica decoding long documents takes longer over each step the request
     waits through. 0.1 from the simulator's document-qa workload (TTFT p50 halved against 0)."""
+    occupancy_weight: float = pydantic.Field(1.0, ge=0)
+    """Cost per token the request must place in new KV blocks on the replica (computed, or loaded from a pool),
+    times the share of the replica's cache that requests hold, as a share of computing a token: a replica whose
+    running requests fill its cache admits the next request only as memory frees, and a device hit takes no new
+    block. 0: memory counts only once blocks run short (memory_weight)."""
     memory_weight: float = pydantic.Field(1.0, ge=0)
     """Cost per token of KV cache the replica lacks for this request (free and evictable blocks below
     its uncached blocks): what it must preempt and later recompute."""
@@ -70,11 +75,10 @@ class PolicyConfig(pydantic.BaseModel):
     instead of all sending it to the one cheapest replica (benchmarks/results/routing-sim-routers.md)."""
     host_hit_credit: float | None = pydantic.Field(None, ge=0, le=1)
     """None: a token a replica would load from its node's pool costs what the replica measured loading a token
-    to cost against computing one (bytes over its load bandwidth, against its recent compute rate), plus the share
-    of its KV cache that requests hold: a loaded token takes a device block as a computed one does, and where
-    running requests fill the cache it is memory, not compute, that a request waits for (a device hit takes
-    none). A number: a fixed credit instead, as llm-d (0.8) and Dynamo (0.75) give a host-tier hit: a loaded token
-    costs 1 minus it of a computed one. benchmarks/results/kv-tiers.md compares the two."""
+    to cost against computing one (bytes over its load bandwidth, against its recent compute rate), besides the
+    memory it takes (occupancy_weight). A number: a fixed credit instead, as llm-d (0.8) and Dynamo (0.75) give a
+    host-tier hit: loading a token costs 1 minus it of computing one.
+    benchmarks/results/kv-tiers.md compares the two."""
     unmeasured_load_token_cost: float = pydantic.Field(0.25, ge=0, le=1)
     """A loaded token's cost on a replica that has not measured it (no load, or none lately) while no replica has: once
     some have, their median (router.core.PeerLoadCosts)."""
@@ -164,7 +168,8 @@ class PrefixPolicy:
         queued = candidate.num_prefill_tokens_pending
         num_steps = max(1.0, (queued + uncached) / max(config.step_token_budget - candidate.num_requests, 1))
         fetch_cost = self._load_token_cost(candidate) * loaded + candidate.pull_token_cost * pulled
-        cost = (queued + config.uncached_token_weight * (uncached + fetch_cost)
+        occupancy = config.occupancy_weight * candidate.kv_usage * (uncached + loaded)
+        cost = (queued + config.uncached_token_weight * (uncached + fetch_cost + occupancy)
                 + num_steps * config.step_overhead_tokens + config.preemption_cost_tokens * candidate.recent_preemptions)
         if not request.follows_its_session:
             cost += (config.request_cost_tokens * candidate.num_requests
@@ -179,14 +184,12 @@ class PrefixPolicy:
         return cost
 
     def _load_token_cost(self, candidate: Candidate) -> float:
-        """A loaded token's cost as a share of a computed one's: the replica's measured copy and the device memory
-        it takes there, or a fixed one."""
+        """A loaded token's cost as a share of a computed one's: the replica's measured one, or a fixed one."""
         config = self.config
         if config.host_hit_credit is not None:
             return 1.0 - config.host_hit_credit
         measured = candidate.load_token_cost
-        copy = config.unmeasured_load_token_cost if measured is None else measured
-        return min(copy + candidate.kv_usage, 1.0)
+        return config.unmeasured_load_token_cost if measured is None else min(measured, 1.0)
 
 
 def pull_token_cost(config: PolicyConfig, pull_seconds_per_token: float | None,

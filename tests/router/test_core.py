@@ -472,7 +472,7 @@ def test_a_prefix_in_a_replicas_node_pool_is_priced_at_its_measured_load_cost():
     assert router.choose("r2", chain(1, 2, 3, 4), ["a", "b"], num_prompt_tokens=16).replica_id == "b"
 
 
-def test_a_loaded_token_also_costs_the_share_of_the_replicas_cache_that_requests_hold():
+def test_a_token_placed_in_a_new_block_also_costs_the_share_of_the_replicas_cache_that_requests_hold():
     router = make_router()
     load_stats = stats(free_blocks=50)
     load_stats.num_blocks, load_stats.host_load_token_cost = 100, 0.05
@@ -480,8 +480,11 @@ def test_a_loaded_token_also_costs_the_share_of_the_replicas_cache_that_requests
     request = RequestShape(4, 16, BLOCK_SIZE)
     a = router._candidate("a", chain(1, 2, 3, 4), 0, 0.0)
     assert a.kv_usage == 0.5
-    # 15 loaded at 0.05 for the copy and 0.5 for the memory, the last token computed
-    assert PrefixPolicy(router.config, None).cost(request, a) == pytest.approx(2 * (1 + 0.55 * 15) + 64)
+    # 15 loaded at 0.05 for the copy, the last token computed, and all 16 at 0.5 for the memory they take
+    assert PrefixPolicy(router.config, None).cost(request, a) == pytest.approx(2 * (1 + 0.05 * 15 + 0.5 * 16) + 64)
+    router.publish("a", 2, [stored(chain(1, 2, 3, 4))], load_stats, [])  # now on its device: no new block
+    a = router._candidate("a", chain(1, 2, 3, 4), 4, 0.0)
+    assert PrefixPolicy(router.config, None).cost(request, a) == pytest.approx(2 * (1 + 0.5 * 1) + 64)
     router.choose("r1", chain(7, 8, 9, 10, 11), ["a"], num_prompt_tokens=20)  # 5 blocks routed there since
     assert router._candidate("a", chain(1, 2, 3, 4), 0, 0.0).kv_usage == 0.55
 
