@@ -48,7 +48,9 @@ class PolicyConfig(pydantic.BaseModel):
     """Cost per token the request must place in new KV blocks on the replica (computed, or loaded from a pool),
     times the share of the replica's cache that requests hold, as a share of computing a token: a replica whose
     running requests fill its cache admits the next request only as memory frees, and a device hit takes no new
-    block. 0: memory counts only once blocks run short (memory_weight)."""
+    block. 0: memory counts only once blocks run short (memory_weight). 1 from the simulator: system prompts'
+    TTFT p50 0.62-0.75x that of 0 at N = 8 and 16 over seeds 0-2, 0.89x over all four workloads
+    (benchmarks/results/routing-sim.md)."""
     memory_weight: float = pydantic.Field(1.0, ge=0)
     """Cost per token of KV cache the replica lacks for this request (free and evictable blocks below
     its uncached blocks): what it must preempt and later recompute."""

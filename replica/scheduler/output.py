@@ -81,6 +81,7 @@ class PinStats:
     released: int = 0           # pins released early to give a running request or an admission blocks
     next_turn_queries: int = 0  # prompt tokens of next turns (their program's last turn finished here)
     next_turn_hits: int = 0     # of those, found in the prefix cache at admission
+    num_releasable_blocks: int = 0  # of the pinned blocks, those only pins hold (no request shares them)
 
 
 @dataclass(slots=True)

@@ -2,7 +2,7 @@
 instead of freed, when pins end, and what happened to them (PinStats). Under other queue policies
 it pins nothing and frees every finished request."""
 import dataclasses
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 
 from replica.kv_cache import KVCacheManager
@@ -135,8 +135,10 @@ class PinKeeper:
             self._end(pin, "reset")
 
     def snapshot(self) -> PinStats:
-        pinned_blocks = {block_id for pin in self.pins for block_id in self._kv.get_block_ids(pin.request.request_id)}
-        return dataclasses.replace(self.stats, num_pinned_blocks=len(pinned_blocks))
+        holders = Counter(block_id for pin in self.pins for block_id in self._kv.get_block_ids(pin.request.request_id))
+        blocks = self._kv.block_pool.blocks
+        releasable = sum(1 for block_id, num_pins in holders.items() if blocks[block_id].ref_cnt == num_pins)
+        return dataclasses.replace(self.stats, num_pinned_blocks=len(holders), num_releasable_blocks=releasable)
 
     def _pin(self, request: Request) -> None:
         """Hold the finished turn's blocks for the program's next turn, replacing its previous pin."""

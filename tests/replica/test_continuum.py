@@ -39,7 +39,7 @@ def test_a_finished_turn_stays_pinned_until_its_ttl():
     clock, scheduler = continuum()
     assert run_to_completion(scheduler, turn("p/1", list(range(8)))) == ["p/1"]
     assert num_free(scheduler) == 17  # 19 usable, 2 pinned
-    assert scheduler.make_stats().pins == PinStats(num_pinned_blocks=2, pinned=1)
+    assert scheduler.make_stats().pins == PinStats(num_pinned_blocks=2, num_releasable_blocks=2, pinned=1)
     clock.now = 1.9
     scheduler.expire_pins()  # what the engine does while it idles
     assert num_free(scheduler) == 17
@@ -47,6 +47,16 @@ def test_a_finished_turn_stays_pinned_until_its_ttl():
     scheduler.expire_pins()
     assert num_free(scheduler) == 19
     assert scheduler.make_stats().pins == PinStats(pinned=1, expired=1)
+
+
+def test_a_pinned_block_that_a_running_request_shares_is_not_releasable():
+    _, scheduler = continuum()
+    run_to_completion(scheduler, turn("p/1", list(range(8))))
+    scheduler.add_request(turn("x", list(range(8)) + [90, 91, 92, 93], session_id=None, max_tokens=8))
+    step(scheduler)  # x takes p/1's 2 pinned blocks as its prefix, and 1 block of its own
+    assert scheduler.make_stats().pins == PinStats(num_pinned_blocks=2, num_releasable_blocks=0, pinned=1)
+    run_to_completion(scheduler)
+    assert scheduler.make_stats().pins.num_releasable_blocks == 2
 
 
 def test_fcfs_frees_a_finished_turn_of_a_program():
@@ -65,7 +75,8 @@ def test_the_next_turn_hits_its_pinned_history_and_its_own_pin_replaces_the_firs
     assert output.num_scheduled_tokens == {"p/2": 4}  # the 8 pinned tokens were not recomputed
     run_to_completion(scheduler)
     stats = scheduler.make_stats().pins
-    assert stats == PinStats(num_pinned_blocks=3, pinned=2, hits=1, next_turn_queries=12, next_turn_hits=8)
+    assert stats == PinStats(num_pinned_blocks=3, num_releasable_blocks=3, pinned=2, hits=1, next_turn_queries=12,
+                             next_turn_hits=8)
     assert num_free(scheduler) == 16
     clock.now = 3.4  # the gap observed was 1.5 s, but 3 are needed before the default gives way
     scheduler.schedule()
@@ -105,8 +116,8 @@ def test_a_pin_outlives_its_ttl_once_the_next_turn_arrived_and_waits():
     step(scheduler)
     assert "p" in scheduler.pins and num_free(scheduler) == 15  # x: 2 blocks, p's pin: 2
     assert run_to_completion(scheduler) == ["x", "p/2"]
-    assert scheduler.make_stats().pins == PinStats(num_pinned_blocks=3, pinned=2, hits=1, next_turn_queries=10,
-                                                   next_turn_hits=8)
+    assert scheduler.make_stats().pins == PinStats(num_pinned_blocks=3, num_releasable_blocks=3, pinned=2, hits=1,
+                                                   next_turn_queries=10, next_turn_hits=8)
 
 
 def test_with_nothing_running_an_admission_takes_the_pin_of_the_program_that_came_last():
@@ -117,7 +128,7 @@ def test_with_nothing_running_an_admission_takes_the_pin_of_the_program_that_cam
     output, _ = step(scheduler)
     assert output.num_scheduled_tokens == {"r": 24}
     assert [pin.request.request_id for pin in scheduler.pins] == ["p/1"]  # p's has less time left, but p came first
-    assert scheduler.make_stats().pins == PinStats(num_pinned_blocks=2, pinned=2, released=1)
+    assert scheduler.make_stats().pins == PinStats(num_pinned_blocks=2, num_releasable_blocks=2, pinned=2, released=1)
 
 
 def test_while_a_request_runs_an_admission_waits_for_pins_to_expire():
@@ -133,7 +144,7 @@ def test_while_a_request_runs_an_admission_waits_for_pins_to_expire():
     output, _ = step(scheduler)
     assert output.num_scheduled_tokens == {"running": 1, "r": 24}
     assert [pin.request.request_id for pin in scheduler.pins] == ["q/1"]
-    assert scheduler.make_stats().pins == PinStats(num_pinned_blocks=2, pinned=2, expired=1)
+    assert scheduler.make_stats().pins == PinStats(num_pinned_blocks=2, num_releasable_blocks=2, pinned=2, expired=1)
 
 
 def test_pins_are_released_before_a_running_request_is_preempted():

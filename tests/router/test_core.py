@@ -4,7 +4,7 @@ import pytest
 
 from replica.kv_cache import AllBlocksCleared, BlockStored
 from replica.request import Request, SamplingParams
-from replica.scheduler import SchedulerStats
+from replica.scheduler import PinStats, SchedulerStats
 from router import FinishedRequest, PolicyConfig, Router, RoutingDecision
 from router.messages import PoolServed, PullSource
 from router.policy import PrefixPolicy, RequestShape
@@ -487,6 +487,15 @@ def test_a_token_placed_in_a_new_block_also_costs_the_share_of_the_replicas_cach
     assert PrefixPolicy(router.config, None).cost(request, a) == pytest.approx(2 * (1 + 0.5 * 1) + 64)
     router.choose("r1", chain(7, 8, 9, 10, 11), ["a"], num_prompt_tokens=20)  # 5 blocks routed there since
     assert router._candidate("a", chain(1, 2, 3, 4), 0, 0.0).kv_usage == 0.55
+
+
+def test_blocks_that_only_pins_hold_do_not_count_as_the_memory_requests_hold():
+    router = make_router()
+    pinned_stats = stats(free_blocks=50)
+    pinned_stats.num_blocks = 100
+    pinned_stats.pins = PinStats(num_pinned_blocks=30, num_releasable_blocks=20)  # 10 shared with running requests
+    router.publish("a", 1, [], pinned_stats, [])
+    assert router._candidate("a", chain(1), 0, 0.0).kv_usage == pytest.approx(0.3)
 
 
 def test_a_replica_that_has_not_measured_loading_is_priced_at_the_median_of_those_that_have():
