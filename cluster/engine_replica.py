@@ -96,8 +96,10 @@ class DirectEngineReplica(EngineReplica):
     another replica (migration), its tokens relayed through here; the client's connection ends with the process."""
 
     async def __init__(self, config: ClusterConfig):
+        # the tokenizer loads while the engine core starts (a process importing torch and loading the model)
+        loading = asyncio.ensure_future(asyncio.to_thread(load_checkpoint, config.engine.model))
         await super().__init__(config)
-        checkpoint = await asyncio.to_thread(load_checkpoint, config.engine.model)
+        checkpoint = await loading
         self._metrics = ServingMetrics()
         context = serve.get_replica_context()
         self._by_reference = config.engine_transport == "ray"
