@@ -20,13 +20,20 @@ def keep_ray_on_loopback() -> None:
     ray_constants.ENABLE_RAY_CLUSTER = False
 
 
+# Ray starts a worker per CPU when the driver connects, before anything asks for one; on 2 cores those starts
+# slow Ray's own start-up and Serve's behind it: `prefixserve serve` answered its first chat in 9.9 s without
+# them against 10.4 s with them (medians of 16 alternating starts, benchmarks/results/startup.md). Actors (every
+# Serve replica is one) start a worker of their own either way.
+NO_PRESTARTED_WORKERS = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
+
+
 def init_local_ray(num_cpus: int, **init_args) -> None:
     """Start a new Ray cluster of this process alone, every node on 127.0.0.1, so no traffic leaves
     loopback. `address="local"`: never join the cluster that RAY_ADDRESS or `ray start` points to."""
     keep_ray_on_loopback()
     import ray
     context = ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address=LOOPBACK,
-                       **init_args)
+                       _system_config=NO_PRESTARTED_WORKERS, **init_args)
     if context.address_info["node_ip_address"] != LOOPBACK:
         ray.shutdown()
         raise RuntimeError(f"Ray started on {context.address_info['node_ip_address']}, not {LOOPBACK}")
