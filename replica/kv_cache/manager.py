@@ -158,7 +158,10 @@ class KVCacheManager:
             self.block_pool.free_blocks(reversed(load[0]))
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
+        return [block.block_id for block in self.get_blocks(request_id)]
+
+    def get_blocks(self, request_id: str) -> Sequence[KVCacheBlock]:
+        return self.req_to_blocks.get(request_id, ())
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()

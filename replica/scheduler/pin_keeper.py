@@ -135,10 +135,18 @@ class PinKeeper:
             self._end(pin, "reset")
 
     def snapshot(self) -> PinStats:
-        holders = Counter(block_id for pin in self.pins for block_id in self._kv.get_block_ids(pin.request.request_id))
+        """Every step's: a block with one reference is its pin's alone (most are); a shared one is releasable only
+        if pins hold all its references."""
+        alone, shared = 0, Counter()
+        for pin in self.pins:
+            for block in self._kv.get_blocks(pin.request.request_id):
+                if block.ref_cnt == 1:
+                    alone += 1
+                else:
+                    shared[block.block_id] += 1
         blocks = self._kv.block_pool.blocks
-        releasable = sum(1 for block_id, num_pins in holders.items() if blocks[block_id].ref_cnt == num_pins)
-        return dataclasses.replace(self.stats, num_pinned_blocks=len(holders), num_releasable_blocks=releasable)
+        releasable = alone + sum(1 for block_id, num_pins in shared.items() if blocks[block_id].ref_cnt == num_pins)
+        return dataclasses.replace(self.stats, num_pinned_blocks=alone + len(shared), num_releasable_blocks=releasable)
 
     def _pin(self, request: Request) -> None:
         """Hold the finished turn's blocks for the program's next turn, replacing its previous pin."""

@@ -59,6 +59,14 @@ def test_a_pinned_block_that_a_running_request_shares_is_not_releasable():
     assert scheduler.make_stats().pins.num_releasable_blocks == 2
 
 
+def test_a_block_two_pins_share_is_pinned_once_and_releasable():
+    _, scheduler = continuum()
+    run_to_completion(scheduler, turn("p/1", list(range(8))))
+    run_to_completion(scheduler, turn("q/1", list(range(4)) + [50, 51, 52, 53], session_id="q"))
+    # p's 2 blocks and q's second; q's first is p's first, from the prefix cache
+    assert scheduler.make_stats().pins == PinStats(num_pinned_blocks=3, num_releasable_blocks=3, pinned=2)
+
+
 def test_fcfs_frees_a_finished_turn_of_a_program():
     scheduler = make_scheduler(num_blocks=20, block_size=BLOCK_SIZE, policy="fcfs")
     run_to_completion(scheduler, turn("p/1", list(range(8))))
