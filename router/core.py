@@ -183,8 +183,8 @@ class _Replica:
         # The share requests hold, those it routed since counted. Blocks only continuum's pins hold are left out: a
         # pin gives them up before a running request is preempted, and where memory is plentiful they delay no one.
         # A replica that does not say its size: as it last reported.
-        held = 1.0 - (free_blocks + stats.pins.num_releasable_blocks) / stats.num_blocks if stats.num_blocks else None
-        kv_usage = stats.kv_usage if held is None else min(max(held, 0.0), 1.0)
+        available = free_blocks + stats.pins.num_releasable_blocks
+        kv_usage = min(max(1.0 - available / stats.num_blocks, 0.0), 1.0) if stats.num_blocks else stats.kv_usage
         return Candidate(replica_id, matched_blocks, num_requests, pending, free_blocks, self.preemptions.count(now),
                          num_cached_blocks, session_tokens, self.booked_context_tokens,
                          load_token_cost=stats.host_load_token_cost, kv_usage=kv_usage)
