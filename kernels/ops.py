@@ -14,6 +14,7 @@ Backend = Literal["triton", "cpu", "torch"]
 
 @dataclass(frozen=True)
 class KernelOps:
+    backend: Backend
     write_kv_cache: Callable
     paged_attention: Callable
     rms_norm: Callable
@@ -25,13 +26,13 @@ class KernelOps:
 def get_ops(backend: Backend) -> KernelOps:
     """The kernels of one backend; "triton" imports triton, "cpu" builds its library on first call."""
     if backend == "torch":
-        return KernelOps(write_kv_cache_ref, paged_attention_ref, rms_norm_ref, apply_rotary_ref, silu_and_mul_ref,
-                         apply_token_bitmask_ref)
+        return KernelOps(backend, write_kv_cache_ref, paged_attention_ref, rms_norm_ref, apply_rotary_ref,
+                         silu_and_mul_ref, apply_token_bitmask_ref)
     if backend == "triton":
         from kernels.triton import activation, attention, bitmask, cache_write, rms_norm, rotary
     elif backend == "cpu":
         from kernels.cpu import activation, attention, bitmask, cache_write, rms_norm, rotary
     else:
         raise ValueError(f"unknown kernel backend {backend!r}; expected 'triton', 'cpu' or 'torch'")
-    return KernelOps(cache_write.write_kv_cache, attention.paged_attention, rms_norm.rms_norm, rotary.apply_rotary,
-                     activation.silu_and_mul, bitmask.apply_token_bitmask)
+    return KernelOps(backend, cache_write.write_kv_cache, attention.paged_attention, rms_norm.rms_norm,
+                     rotary.apply_rotary, activation.silu_and_mul, bitmask.apply_token_bitmask)

@@ -45,7 +45,8 @@ class Kernel:
     def __init__(self, function: ctypes._CFuncPtr, restype: str, params: list[tuple[str, str]]):
         self.name, self.arg_names = function.__name__, [name for _, name in params]
         self._arg_set = frozenset(self.arg_names)  # checked on every call: a layer calls each kernel per step
-        self._in_order = operator.itemgetter(*self.arg_names)
+        in_order = operator.itemgetter(*self.arg_names)  # of one name, the value rather than a 1-tuple
+        self._in_order = in_order if len(self.arg_names) > 1 else lambda args: (in_order(args),)
         self._pointer_at = [i for i, (c_type, _) in enumerate(params) if "*" in c_type]
         function.restype = _C_TYPES[restype]
         function.argtypes = [ctypes.c_void_p if "*" in c_type else _C_TYPES[c_type] for c_type, _ in params]
@@ -55,7 +56,7 @@ class Kernel:
         if args.keys() != self._arg_set:
             raise TypeError(f"{self.name} takes {self.arg_names}; missing {sorted(self._arg_set - args.keys())}, "
                             f"unknown {sorted(args.keys() - self._arg_set)}")
-        values = list(self._in_order(args))  # every kernel takes several parameters: a tuple
+        values = list(self._in_order(args))
         for i in self._pointer_at:
             if values[i] is not None:
                 values[i] = values[i].data_ptr()

@@ -208,16 +208,18 @@ class LlamaForCausalLM(nn.Module):
         logits = self.tp.gather_last_dim(logits)
         return None if logits is None else logits[:, :self.config.vocab_size].float()
 
-    def pack_linear_weights(self) -> None:
+    def pack_linear_weights(self, small_batch: bool = False) -> None:
         """CPU, once the weights are loaded: the projections and the LM head large enough to gain from
-        oneDNN-packed weights. A tied head gets a packed copy; the embedding table stays for the lookup."""
+        oneDNN-packed weights (and with small_batch, from the CPU kernels' small-batch linear). A tied head
+        gets a packed copy; the embedding table stays for the lookup."""
         pack_head = worth_packing(self.lm_head_weight)  # an untied head is one of the linears packed below
         for module in list(self.modules()):
             for name, child in list(module.named_children()):
                 if isinstance(child, nn.Linear) and worth_packing(child.weight):
-                    setattr(module, name, PackedLinear.from_linear(child))
+                    setattr(module, name, PackedLinear.from_linear(child, small_batch))
         if pack_head:
-            self.packed_lm_head = getattr(self, "lm_head", None) or PackedLinear(self.lm_head_weight)
+            self.packed_lm_head = getattr(self, "lm_head", None) or PackedLinear(self.lm_head_weight,
+                                                                                  small_batch=small_batch)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (HF names) in; q/k/v and gate/up land in their fused parameters, and under

@@ -4,9 +4,17 @@ torch's F.linear hands oneDNN a plain weight on every call, which it reorders ea
 once at load time ran decode-sized matmuls (64 rows) 1.4-1.5x faster and prefill-sized ones
 1.06-1.3x faster on this project's CPU machine (benchmarks/results/offline.md). These are the
 mkldnn ops that torch's own CPU inductor uses for frozen linear weights.
+
+Below a few dozen rows a oneDNN call's fixed cost is most of its time: there the CPU kernels' own
+linear (kernels/cpu/linear.py) runs on a second packed copy of the weight, its rows a decode step's
+batch. On the default model in bf16 that holds the projections and LM head twice (270 MB more) and took
+a bare decode step from 11.5-12.5 to 9.1-10.7 ms at 1 request, 15.9-16.2 to 13.7-15.2 at 8
+(benchmarks/results/step.md).
 """
 import torch
 from torch import nn
+
+from kernels.cpu import linear as cpu_linear
 
 BATCH_SIZE_HINT = 64  # oneDNN picks the blocking for this many rows; any row count still works
 # A packed call costs some 30-50 us more than F.linear's whatever the shape (fp32, AVX2): below about
@@ -25,20 +33,26 @@ def worth_packing(weight: torch.Tensor) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """y = x W^T + b with W packed; the plain weight is not kept."""
+    """y = x W^T + b with W packed; the plain weight is not kept. With small_batch, calls of up to
+    small_batch_rows rows run the CPU kernels' linear on a copy packed for it."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, small_batch: bool = False):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_SIZE_HINT)
         self.bias = None if bias is None else bias.detach()
+        self.small_batch_weight = cpu_linear.pack_linear_weight(weight.detach()) if small_batch else None
+        self.small_batch_rows = cpu_linear.small_batch_rows(weight.dtype) if small_batch else 0
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "PackedLinear":
-        return cls(linear.weight, linear.bias)
+    def from_linear(cls, linear: nn.Linear, small_batch: bool = False) -> "PackedLinear":
+        return cls(linear.weight, linear.bias, small_batch)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.small_batch_rows:
+            return cpu_linear.linear(x, self.small_batch_weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"small_batch_rows={self.small_batch_rows}")

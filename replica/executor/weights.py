@@ -21,7 +21,7 @@ def build_model(checkpoint: Checkpoint, *, dtype: torch.dtype, device: torch.dev
     model._apply(lambda tensor: torch.empty(tensor.shape, dtype=tensor.dtype, device=device))
     model.load_weights((name, tensor.to(device)) for name, tensor in iter_weights(checkpoint, dtype))
     if packed_linear.can_pack(device, dtype):
-        model.pack_linear_weights()
+        model.pack_linear_weights(small_batch=ops.backend == "cpu")
     return model.eval()
 
 

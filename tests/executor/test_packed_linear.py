@@ -5,6 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import get_ops
+from kernels.cpu import library
 from replica.executor import packed_linear
 from replica.executor.config import ModelConfig
 from replica.executor.model import LlamaForCausalLM
@@ -47,6 +48,8 @@ def projections(*names: str) -> list[str]:
     return sorted(f"model.layers.{layer}.{name}" for layer in (0, 1) for name in names)
 
 
+@pytest.mark.parametrize("small_batch", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not library.available(), reason="no C++ compiler to build the CPU kernels"))])
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("min_weights, packed_projections, head_packed", [
     (0, projections("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"), True),
@@ -54,14 +57,16 @@ def projections(*names: str) -> list[str]:
     (2048, projections("self_attn.qkv_proj", "mlp.gate_up_proj"), False),
 ])
 def test_model_packs_the_weights_worth_it_and_keeps_its_logits(tied, min_weights, packed_projections, head_packed,
-                                                               monkeypatch):
+                                                               small_batch, monkeypatch):
     monkeypatch.setattr(packed_linear, "MIN_PACKED_WEIGHTS", min_weights)
     model = small_model(tied)
     hidden = torch.randn(5, 32)
     expected = model.compute_logits(hidden)
-    model.pack_linear_weights()
+    model.pack_linear_weights(small_batch)
     packed = sorted(name for name, module in model.named_modules()
                     if isinstance(module, PackedLinear) and name.startswith("model."))
     assert packed == packed_projections
     assert isinstance(model.packed_lm_head, PackedLinear) == head_packed
+    packed_layers = [module for module in model.modules() if isinstance(module, PackedLinear)]
+    assert all((layer.small_batch_weight is not None) == small_batch for layer in packed_layers)
     torch.testing.assert_close(model.compute_logits(hidden), expected, atol=1e-4, rtol=1e-5)

@@ -104,7 +104,10 @@ def test_bindings_follow_the_cpp_declarations_and_take_named_arguments():
     assert kernels.silu_and_mul.arg_names == ["dtype", "out", "gate_up", "num_tokens", "size", "stride_token"]
     declared = library.declarations(sorted(library.SOURCE_DIR.glob("*.cpp")))
     assert set(declared) == set(vars(kernels)) == {"paged_attention", "write_kv_cache", "rms_norm",
-                                                   "apply_rotary", "silu_and_mul", "apply_token_bitmask"}
+                                                   "apply_rotary", "silu_and_mul", "apply_token_bitmask", "linear",
+                                                   "pack_linear_weight", "packed_linear_size", "linear_max_rows"}
+    assert kernels.linear_max_rows.arg_names == ["dtype"]  # one parameter: called like the others
+    assert kernels.linear_max_rows(dtype=0) >= 1
     with pytest.raises(TypeError, match=r"missing \['stride_token'\], unknown \['stride'\]"):
         kernels.silu_and_mul(dtype=0, out=None, gate_up=None, num_tokens=0, size=0, stride=0)
     with pytest.raises(TypeError, match="no ctypes binding for the C type 'double'"):
