@@ -14,6 +14,7 @@ from torch import nn
 from kernels import KernelOps
 from replica.executor import rope
 from replica.executor.config import ModelConfig
+from replica.executor.fused_decoder import FusedDecoder
 from replica.executor.packed_linear import PackedLinear, worth_packing
 from replica.executor.parallel import TensorParallel, shard_heads, vocab_slice
 
@@ -182,6 +183,7 @@ class LlamaForCausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, self.model.embed_tokens.num_rows, bias=False)
         self.packed_lm_head: PackedLinear | None = None
+        self.fused_decoder: FusedDecoder | None = None  # CPU, small batches: see pack_linear_weights
         self.cos_sin_cache = rope.cos_sin_cache(config, device)
 
     @property
@@ -192,6 +194,8 @@ class LlamaForCausalLM(nn.Module):
                 metadata: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden_size]."""
         hidden, residual = self.model.embed_tokens(input_ids), None
+        if self.fused_decoder is not None and self.fused_decoder.takes(hidden.shape[0], metadata):
+            return self.fused_decoder(hidden, positions, kv_caches, metadata)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, metadata, self.cos_sin_cache)
         hidden, _ = self.model.norm(hidden, residual)
@@ -210,8 +214,9 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_linear_weights(self, small_batch: bool = False) -> None:
         """CPU, once the weights are loaded: the projections and the LM head large enough to gain from
-        oneDNN-packed weights (and with small_batch, from the CPU kernels' small-batch linear). A tied head
-        gets a packed copy; the embedding table stays for the lookup."""
+        oneDNN-packed weights. With small_batch, they get a copy for the CPU kernels' small-batch linear too,
+        and batches that small run the layers in one C++ call where the model allows (FusedDecoder). A tied
+        head gets a packed copy; the embedding table stays for the lookup."""
         pack_head = worth_packing(self.lm_head_weight)  # an untied head is one of the linears packed below
         for module in list(self.modules()):
             for name, child in list(module.named_children()):
@@ -220,6 +225,7 @@ class LlamaForCausalLM(nn.Module):
         if pack_head:
             self.packed_lm_head = getattr(self, "lm_head", None) or PackedLinear(self.lm_head_weight,
                                                                                   small_batch=small_batch)
+        self.fused_decoder = FusedDecoder.of(self) if small_batch else None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (HF names) in; q/k/v and gate/up land in their fused parameters, and under

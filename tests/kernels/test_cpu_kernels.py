@@ -105,7 +105,8 @@ def test_bindings_follow_the_cpp_declarations_and_take_named_arguments():
     declared = library.declarations(sorted(library.SOURCE_DIR.glob("*.cpp")))
     assert set(declared) == set(vars(kernels)) == {"paged_attention", "write_kv_cache", "rms_norm",
                                                    "apply_rotary", "silu_and_mul", "apply_token_bitmask", "linear",
-                                                   "pack_linear_weight", "packed_linear_size", "linear_max_rows"}
+                                                   "pack_linear_weight", "packed_linear_size", "linear_max_rows",
+                                                   "decoder_layers"}
     assert kernels.linear_max_rows.arg_names == ["dtype"]  # one parameter: called like the others
     assert kernels.linear_max_rows(dtype=0) >= 1
     with pytest.raises(TypeError, match=r"missing \['stride_token'\], unknown \['stride'\]"):

@@ -2,6 +2,7 @@
 // kernels.activation.silu_and_mul_ref does.
 #include <algorithm>
 
+#include "kernels.h"
 #include "vec.h"
 
 namespace prefixserve {

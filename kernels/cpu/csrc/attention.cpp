@@ -12,6 +12,7 @@
 #include <memory>
 #include <vector>
 
+#include "kernels.h"
 #include "vec.h"
 
 namespace prefixserve {

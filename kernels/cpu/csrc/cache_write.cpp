@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kernels.h"
 #include "common.h"
 
 extern "C" void prefixserve_write_kv_cache(const char* key, const char* value, char* key_cache, char* value_cache,

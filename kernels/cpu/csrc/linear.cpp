@@ -11,6 +11,7 @@
 #include <immintrin.h>
 #endif
 
+#include "kernels.h"
 #include "vec.h"
 
 namespace prefixserve {
@@ -168,7 +169,9 @@ void pack(T* packed, const T* weight, int64_t out_features, int64_t in_features)
   std::fill_n(packed, num_blocks * a.block_size(), from_float<T>(0.0f));
   for (int64_t n = 0; n < out_features; ++n) {
     T* lane = packed + n / kLanes * a.block_size() + n % kLanes * kPair<T>;
-    for (int64_t k = 0; k < in_features; ++k) lane[k / kPair<T> * kLanes * kPair<T> + k % kPair<T>] = weight[n * in_features + k];
+    for (int64_t k = 0; k < in_features; ++k) {
+      lane[k / kPair<T> * kLanes * kPair<T> + k % kPair<T>] = weight[n * in_features + k];
+    }
   }
 }
 

@@ -1,6 +1,7 @@
 // RMSNorm with an optional fused residual add: kernels.rms_norm.rms_norm_ref, rounding where it does.
 #include <cmath>
 
+#include "kernels.h"
 #include "common.h"
 
 namespace prefixserve {

@@ -1,4 +1,5 @@
 // Rotary position embedding, rotate-half layout: kernels.rotary.apply_rotary_ref, fp32 math.
+#include "kernels.h"
 #include "common.h"
 
 namespace prefixserve {

@@ -1,0 +1,75 @@
+"""Small CPU batches through the decoder layers in one call (kernels/cpu/decoder.py).
+
+At a decode step's few rows, Python's calls between the kernels of LlamaForCausalLM's layers (some 300
+a step: modules, views, wrappers, allocations) cost more than the kernels. This runs the same kernels
+in the same order from C++, so the hidden states are bit for bit those of the layers' forward.
+"""
+import torch
+from torch import nn
+
+from kernels.cpu.decoder import LAYER_POINTERS, DecoderShape, decoder_layers
+from kernels.cpu.library import HEAD_DIMS
+from replica.executor.packed_linear import PackedLinear
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class FusedDecoder:
+    """The decoder layers of a model whose projections all carry small-batch weights."""
+
+    def __init__(self, model: nn.Module):
+        config, layers = model.config, model.model.layers
+        attention = layers[0].self_attn
+        self.shape = DecoderShape(config.hidden_size, attention.num_heads, attention.num_kv_heads, config.head_dim,
+                                  layers[0].mlp.intermediate_size, config.rms_norm_eps, attention.scale)
+        self.max_rows = min(linear.small_batch_rows for layer in layers for linear in _projections(layer))
+        self.final_norm = model.model.norm.weight
+        self.cos_sin_cache = model.cos_sin_cache.to(torch.float32).contiguous()
+        self._weights = torch.tensor([_weight_pointers(layer) for layer in layers], dtype=torch.int64)
+        self._layers: torch.Tensor | None = None
+        self._kv_caches: list[KVCache] | None = None
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "FusedDecoder | None":
+        """model's fused decoder, or None where its layers are not all of what the C++ chain runs."""
+        if model.ops.backend != "cpu" or model.tp.size > 1 or model.config.qk_norm:
+            return None
+        if model.config.head_dim not in HEAD_DIMS:
+            return None
+        for layer in model.model.layers:
+            if not all(isinstance(linear, PackedLinear) and linear.small_batch_weight is not None
+                       for linear in _projections(layer)):
+                return None
+        return cls(model)
+
+    def takes(self, num_tokens: int, metadata) -> bool:
+        return num_tokens <= self.max_rows and len(metadata.groups) == 1
+
+    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                 metadata) -> torch.Tensor:
+        group = metadata.groups[0]
+        return decoder_layers(hidden, self._layer_table(kv_caches), self.final_norm, positions, self.cos_sin_cache,
+                              metadata.slot_mapping, group.block_tables, group.query_start_loc, group.seq_lens,
+                              kv_caches[0][0], self.shape)
+
+    def _layer_table(self, kv_caches: list[KVCache]) -> torch.Tensor:
+        """The weights' addresses beside the caches'; the runner passes one list of caches on every step."""
+        if kv_caches is not self._kv_caches:
+            caches = torch.tensor([[key.data_ptr(), value.data_ptr()] for key, value in kv_caches],
+                                  dtype=torch.int64)
+            self._layers, self._kv_caches = torch.cat([self._weights, caches], dim=1), kv_caches
+        return self._layers
+
+
+def _projections(layer: nn.Module) -> list[nn.Module]:
+    return [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+
+
+def _weight_pointers(layer: nn.Module) -> list[int]:
+    qkv, output, gate_up, down = _projections(layer)
+    pointers = {"input_norm": layer.input_layernorm.weight.data_ptr(), "qkv": qkv.small_batch_weight.data.data_ptr(),
+                "qkv_bias": 0 if qkv.bias is None else qkv.bias.data_ptr(),
+                "output": output.small_batch_weight.data.data_ptr(), "post_norm":
+                layer.post_attention_layernorm.weight.data_ptr(), "gate_up": gate_up.small_batch_weight.data.data_ptr(),
+                "down": down.small_batch_weight.data.data_ptr()}
+    return [pointers[name] for name in LAYER_POINTERS[:-2]]  # the caches' two come per list of caches
