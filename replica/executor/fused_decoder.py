@@ -5,6 +5,7 @@ a step: modules, views, wrappers, allocations) cost more than the kernels. This 
 in the same order from C++, so the hidden states are bit for bit those of the layers' forward.
 """
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kernels.cpu.decoder import LAYER_POINTERS, DecoderShape, decoder_layers
@@ -42,15 +43,13 @@ class FusedDecoder:
                 return None
         return cls(model)
 
-    def takes(self, num_tokens: int, metadata) -> bool:
-        return num_tokens <= self.max_rows and len(metadata.groups) == 1
+    def takes(self, num_tokens: int) -> bool:
+        return num_tokens <= self.max_rows
 
     def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                  metadata) -> torch.Tensor:
-        group = metadata.groups[0]
         return decoder_layers(hidden, self._layer_table(kv_caches), self.final_norm, positions, self.cos_sin_cache,
-                              metadata.slot_mapping, group.block_tables, group.query_start_loc, group.seq_lens,
-                              kv_caches[0][0], self.shape)
+                              metadata.slot_mapping, *_one_group(metadata.groups), kv_caches[0][0], self.shape)
 
     def _layer_table(self, kv_caches: list[KVCache]) -> torch.Tensor:
         """The weights' addresses beside the caches'; the runner passes one list of caches on every step."""
@@ -59,6 +58,19 @@ class FusedDecoder:
                                   dtype=torch.int64)
             self._layers, self._kv_caches = torch.cat([self._weights, caches], dim=1), kv_caches
         return self._layers
+
+
+def _one_group(groups) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """block_tables, query_start_loc and seq_lens of all groups' requests as one: the C++ attention takes
+    decodes and chunks in one call, each request's rows computed alike whichever call they are in."""
+    if len(groups) == 1:
+        return groups[0].block_tables, groups[0].query_start_loc, groups[0].seq_lens
+    width = max(group.block_tables.shape[1] for group in groups)
+    block_tables = torch.cat([F.pad(group.block_tables, (0, width - group.block_tables.shape[1]))
+                              for group in groups])
+    query_start_loc = torch.cat([groups[0].query_start_loc[:1]] +
+                                [group.query_start_loc[1:] + group.token_start for group in groups])
+    return block_tables, query_start_loc, torch.cat([group.seq_lens for group in groups])
 
 
 def _projections(layer: nn.Module) -> list[nn.Module]:

@@ -194,7 +194,7 @@ class LlamaForCausalLM(nn.Module):
                 metadata: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden_size]."""
         hidden, residual = self.model.embed_tokens(input_ids), None
-        if self.fused_decoder is not None and self.fused_decoder.takes(hidden.shape[0], metadata):
+        if self.fused_decoder is not None and self.fused_decoder.takes(hidden.shape[0]):
             return self.fused_decoder(hidden, positions, kv_caches, metadata)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, metadata, self.cos_sin_cache)

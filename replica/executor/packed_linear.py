@@ -5,10 +5,10 @@ once at load time ran decode-sized matmuls (64 rows) 1.4-1.5x faster and prefill
 1.06-1.3x faster on this project's CPU machine (benchmarks/results/offline.md). These are the
 mkldnn ops that torch's own CPU inductor uses for frozen linear weights.
 
-Below a few dozen rows a oneDNN call's fixed cost is most of its time: there the CPU kernels' own
-linear (kernels/cpu/linear.py) runs on a second packed copy of the weight, its rows a decode step's
-batch. On the default model in bf16 that holds the projections and LM head twice (270 MB more) and took
-a bare decode step from 11.5-12.5 to 9.1-10.7 ms at 1 request, 15.9-16.2 to 13.7-15.2 at 8
+Up to a hundred rows or so (kernels/cpu/linear.py's small_batch_rows), the CPU kernels' own linear on a
+second packed copy of the weight beats oneDNN, whose fixed cost per call is most of a decode step's matmul at
+a few rows. On the default model in bf16 that holds the projections and LM head twice (270 MB more); its
+projections at 1 row take 5.5 ms a step against 7.4, at 64 rows 17.8 against 19.9
 (benchmarks/results/step.md).
 """
 import torch

@@ -36,16 +36,21 @@ def make_model(dtype: torch.dtype, *, backend: str = "cpu", bias: bool = False, 
 
 
 def batch(query_lens: list[int], seq_lens: list[int]) -> tuple[torch.Tensor, AttentionMetadata]:
-    """Positions and metadata for requests whose blocks lie shuffled in a 40-block cache."""
+    """Positions and metadata for requests (single tokens first) whose blocks lie shuffled in a 40-block
+    cache; as the runner does, the single tokens attend in one group and the rest in another."""
     generator = torch.Generator().manual_seed(len(query_lens))
     block_tables = torch.randperm(40, generator=generator)[:len(query_lens) * 4].view(len(query_lens), 4)
     positions = torch.cat([torch.arange(seq - query, seq) for query, seq in zip(query_lens, seq_lens)])
     request = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))
     slots = block_tables[request, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
-    starts = torch.tensor([0, *query_lens]).cumsum(0).to(torch.int32)
-    group = AttentionGroup(0, sum(query_lens), block_tables.to(torch.int32), starts,
-                           torch.tensor(seq_lens, dtype=torch.int32))
-    return positions, AttentionMetadata(slot_mapping=slots, groups=[group])
+    starts = torch.tensor([0, *query_lens]).cumsum(0)
+    num_single = query_lens.count(1)
+    bounds = [0, num_single, len(query_lens)] if 0 < num_single < len(query_lens) else [0, len(query_lens)]
+    groups = [AttentionGroup(int(starts[first]), int(starts[end]), block_tables[first:end].to(torch.int32),
+                             (starts[first:end + 1] - starts[first]).to(torch.int32),
+                             torch.tensor(seq_lens[first:end], dtype=torch.int32))
+              for first, end in zip(bounds, bounds[1:])]
+    return positions, AttentionMetadata(slot_mapping=slots, groups=groups)
 
 
 def forward(model: LlamaForCausalLM, positions: torch.Tensor, metadata: AttentionMetadata, caches):
@@ -68,10 +73,10 @@ def test_fused_layers_match_the_modules_bit_for_bit(dtype, bias):
     model = make_model(dtype, bias=bias)
     fused = model.fused_decoder
     assert fused is not None and fused.max_rows == packed_linear.cpu_linear.small_batch_rows(dtype)
-    # decodes deep into their blocks, and (room permitting) a request with two new tokens
-    query_lens = [1, 2] if fused.max_rows < 4 else [1, 1, 2]
+    # decodes deep into their blocks and, room permitting, a chunk of three tokens (a second group)
+    query_lens = [1, 1, 3] if fused.max_rows >= 5 else [1, 1]
     positions, metadata = batch(query_lens, [37, 5, 60][:len(query_lens)])
-    assert fused.takes(len(positions), metadata)
+    assert fused.takes(len(positions)) and len(metadata.groups) == (2 if fused.max_rows >= 5 else 1)
     caches, expected_caches = random_caches(model, dtype), random_caches(model, dtype)
     out = forward(model, positions, metadata, caches)
     model.fused_decoder = None
@@ -81,13 +86,11 @@ def test_fused_layers_match_the_modules_bit_for_bit(dtype, bias):
                for a, b in zip(pair, expected_pair))
 
 
-def test_fused_decoder_leaves_larger_and_split_batches_to_the_modules(monkeypatch):
+def test_fused_decoder_leaves_larger_batches_to_the_modules(monkeypatch):
     model = make_model(torch.float32)
     fused = model.fused_decoder
-    positions, metadata = batch([1] * (fused.max_rows + 1), [9] * (fused.max_rows + 1))
-    assert not fused.takes(len(positions), metadata)
-    two_groups = AttentionMetadata(metadata.slot_mapping[:2], [metadata.groups[0]] * 2)
-    assert not fused.takes(2, two_groups)
+    positions, metadata = batch([fused.max_rows + 1], [fused.max_rows + 9])  # a chunk one row too many
+    assert not fused.takes(len(positions))
     monkeypatch.setattr(FusedDecoder, "__call__", lambda *args: pytest.fail("not a batch for the fused layers"))
     forward(model, positions, metadata, random_caches(model, torch.float32))
 

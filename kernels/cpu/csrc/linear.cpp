@@ -3,7 +3,7 @@
 // packed[block][pair][lane][i] = W[block * kLanes + lane][pair * kPair + i], zero-padded. Each input (pair)
 // of a row of x is broadcast and multiplies a whole vector of outputs, so no lane is ever reduced
 // across; a pass over a panel of the weights serves every row of x while the panel is in the cache, so
-// at a few rows the weights stream from memory once (oneDNN is faster from a few dozen rows on).
+// the weights stream from memory once (oneDNN is faster from a hundred rows or so on).
 #include <algorithm>
 #include <omp.h>
 
@@ -178,13 +178,13 @@ void pack(T* packed, const T* weight, int64_t out_features, int64_t in_features)
 }  // namespace
 }  // namespace prefixserve
 
-// The most rows at which this kernel outran oneDNN's packed matmul on the default model's shapes (2 cores
-// of an AMD EPYC, benchmarks/results/step.md): 16 in bf16 with the AVX512-BF16 dot product, 4 in fp32 with
-// AVX-512, 2 with AVX2.
+// The most rows at which this kernel outran oneDNN's packed matmul on the default model's projections (2 cores
+// of an AMD EPYC, benchmarks/results/step.md): 128 in bf16 with the AVX512-BF16 dot product (0.95x oneDNN's
+// time there, 1.3x at 256), 16 in fp32 with AVX-512, 2 with AVX2.
 extern "C" int64_t prefixserve_linear_max_rows(int64_t dtype) {
   using namespace prefixserve;
   int64_t rows = 0;
-  dispatch(dtype, [&](auto element) { rows = kPair<decltype(element)> == 2 ? 16 : (kLanes == 16 ? 4 : 2); });
+  dispatch(dtype, [&](auto element) { rows = kPair<decltype(element)> == 2 ? 128 : (kLanes == 16 ? 16 : 2); });
   return rows;
 }
 
