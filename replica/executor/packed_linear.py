@@ -8,7 +8,7 @@ mkldnn ops that torch's own CPU inductor uses for frozen linear weights.
 Up to a hundred rows or so (kernels/cpu/linear.py's small_batch_rows), the CPU kernels' own linear on a
 second packed copy of the weight beats oneDNN, whose fixed cost per call is most of a decode step's matmul at
 a few rows. On the default model in bf16 that holds the projections and LM head twice (270 MB more); its
-projections at 1 row take 5.5 ms a step against 7.4, at 64 rows 17.8 against 19.9
+projections and LM head at 1 row take 5.5 ms a step against 7.4, its projections at 64 rows 17.8 against 19.9
 (benchmarks/results/step.md).
 """
 import torch
