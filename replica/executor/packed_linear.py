@@ -11,6 +11,8 @@ a few rows. On the default model in bf16 that holds the projections and LM head 
 projections and LM head at 1 row take 5.5 ms a step against 7.4, its projections at 64 rows 17.8 against 19.9
 (benchmarks/results/step.md).
 """
+import os
+
 import torch
 from torch import nn
 
@@ -26,6 +28,13 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def small_batch_copy_fits(model: nn.Module) -> bool:
+    """Whether a second copy of the model's weights (for the small-batch linear) takes at most a quarter of the
+    machine's memory: 270 MB for the default model in bf16, but an 8B model's would be another 16 GB."""
+    weight_bytes = sum(param.numel() * param.element_size() for param in model.parameters())
+    return 4 * weight_bytes <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def worth_packing(weight: torch.Tensor) -> bool:

@@ -1,4 +1,5 @@
 """Building the model from a checkpoint: weights streamed from GGUF or safetensors, in the chosen dtype."""
+import logging
 from collections.abc import Iterator
 
 import numpy as np
@@ -9,6 +10,8 @@ from replica.executor import gguf_loader, packed_linear
 from replica.executor.checkpoint import Checkpoint
 from replica.executor.model import LlamaForCausalLM
 from replica.executor.parallel import TensorParallel
+
+logger = logging.getLogger(__name__)
 
 
 def build_model(checkpoint: Checkpoint, *, dtype: torch.dtype, device: torch.device, ops: KernelOps,
@@ -21,7 +24,11 @@ def build_model(checkpoint: Checkpoint, *, dtype: torch.dtype, device: torch.dev
     model._apply(lambda tensor: torch.empty(tensor.shape, dtype=tensor.dtype, device=device))
     model.load_weights((name, tensor.to(device)) for name, tensor in iter_weights(checkpoint, dtype))
     if packed_linear.can_pack(device, dtype):
-        model.pack_linear_weights(small_batch=ops.backend == "cpu")
+        small_batch = ops.backend == "cpu" and packed_linear.small_batch_copy_fits(model)
+        if ops.backend == "cpu" and not small_batch:
+            logger.warning("the model's weights are too large to hold a second copy for small batches: "
+                           "decode steps run on oneDNN alone")
+        model.pack_linear_weights(small_batch)
     return model.eval()
 
 

@@ -70,3 +70,11 @@ def test_model_packs_the_weights_worth_it_and_keeps_its_logits(tied, min_weights
     packed_layers = [module for module in model.modules() if isinstance(module, PackedLinear)]
     assert all((layer.small_batch_weight is not None) == small_batch for layer in packed_layers)
     torch.testing.assert_close(model.compute_logits(hidden), expected, atol=1e-4, rtol=1e-5)
+
+
+def test_small_batch_copy_only_where_it_takes_at_most_a_quarter_of_memory(monkeypatch):
+    model = nn.Linear(256, 256, bias=False)  # 262,144 bytes of fp32 weights
+    for physical_bytes, fits in [(4 * 262_144, True), (4 * 262_144 - 4096, False)]:
+        monkeypatch.setattr(packed_linear.os, "sysconf", {"SC_PAGE_SIZE": 4096,
+                                                          "SC_PHYS_PAGES": physical_bytes // 4096}.__getitem__)
+        assert packed_linear.small_batch_copy_fits(model) == fits
