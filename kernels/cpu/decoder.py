@@ -6,10 +6,10 @@ import torch
 from kernels.cpu.library import HEAD_DIMS, load, operand_dtype_code
 from kernels.layout import check_on_cpu
 
-# A layer's row of the pointer table, as csrc/decoder.cpp's LayerPointer reads it: the weights
-# (the projections packed by kernels.cpu.linear; a missing qkv bias is 0) and the layer's KV cache.
-LAYER_POINTERS = ("input_norm", "qkv", "qkv_bias", "output", "post_norm", "gate_up", "down", "key_cache",
-                  "value_cache")
+# A layer's row of the pointer table, as csrc/decoder.cpp's LayerPointer reads it: the weights (the
+# projections packed by kernels.cpu.linear; a missing qkv bias, or q and k norms, are 0) and the KV cache.
+LAYER_POINTERS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "output", "post_norm", "gate_up", "down",
+                  "key_cache", "value_cache")
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ class FusedDecoder:
     @classmethod
     def of(cls, model: nn.Module) -> "FusedDecoder | None":
         """model's fused decoder, or None where its layers are not all of what the C++ chain runs."""
-        if model.ops.backend != "cpu" or model.tp.size > 1 or model.config.qk_norm:
+        if model.ops.backend != "cpu" or model.tp.size > 1:
             return None
         if model.config.head_dim not in HEAD_DIMS:
             return None
@@ -79,9 +79,15 @@ def _projections(layer: nn.Module) -> list[nn.Module]:
 
 def _weight_pointers(layer: nn.Module) -> list[int]:
     qkv, output, gate_up, down = _projections(layer)
-    pointers = {"input_norm": layer.input_layernorm.weight.data_ptr(), "qkv": qkv.small_batch_weight.data.data_ptr(),
-                "qkv_bias": 0 if qkv.bias is None else qkv.bias.data_ptr(),
-                "output": output.small_batch_weight.data.data_ptr(), "post_norm":
-                layer.post_attention_layernorm.weight.data_ptr(), "gate_up": gate_up.small_batch_weight.data.data_ptr(),
-                "down": down.small_batch_weight.data.data_ptr()}
+    attention = layer.self_attn
+
+    def address(tensor: torch.Tensor | None) -> int:
+        return 0 if tensor is None else tensor.data_ptr()
+
+    pointers = {"input_norm": address(layer.input_layernorm.weight), "qkv": address(qkv.small_batch_weight.data),
+                "qkv_bias": address(qkv.bias), "output": address(output.small_batch_weight.data),
+                "post_norm": address(layer.post_attention_layernorm.weight),
+                "gate_up": address(gate_up.small_batch_weight.data), "down": address(down.small_batch_weight.data),
+                "q_norm": address(attention.q_norm.weight) if attention.qk_norm else 0,
+                "k_norm": address(attention.k_norm.weight) if attention.qk_norm else 0}
     return [pointers[name] for name in LAYER_POINTERS[:-2]]  # the caches' two come per list of caches

@@ -68,9 +68,9 @@ def random_caches(model: LlamaForCausalLM, dtype: torch.dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("bias", [False, True])
-def test_fused_layers_match_the_modules_bit_for_bit(dtype, bias):
-    model = make_model(dtype, bias=bias)
+@pytest.mark.parametrize("bias, qk_norm", [(False, False), (True, False), (False, True)])  # Llama, Qwen2, Qwen3
+def test_fused_layers_match_the_modules_bit_for_bit(dtype, bias, qk_norm):
+    model = make_model(dtype, bias=bias, qk_norm=qk_norm)
     fused = model.fused_decoder
     assert fused is not None and fused.max_rows == packed_linear.cpu_linear.small_batch_rows(dtype)
     # decodes deep into their blocks and, room permitting, a chunk of three tokens (a second group)
@@ -95,6 +95,6 @@ def test_fused_decoder_leaves_larger_batches_to_the_modules(monkeypatch):
     forward(model, positions, metadata, random_caches(model, torch.float32))
 
 
-@pytest.mark.parametrize("kwargs", [{"backend": "torch"}, {"qk_norm": True}, {"small_batch": False}])
+@pytest.mark.parametrize("kwargs", [{"backend": "torch"}, {"small_batch": False}])
 def test_no_fused_decoder_where_the_chain_does_not_fit(kwargs):
     assert make_model(torch.float32, **kwargs).fused_decoder is None

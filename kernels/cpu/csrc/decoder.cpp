@@ -11,9 +11,11 @@
 namespace prefixserve {
 namespace {
 
-// A layer's row of the pointer table; packed weights as kernels/cpu/linear.py packs them, qkv_bias may be 0.
+// A layer's row of the pointer table; packed weights as kernels/cpu/linear.py packs them. qkv_bias may be 0,
+// and q_norm and k_norm (Qwen3's RMSNorm of each head of q and k, before RoPE) both 0.
 enum LayerPointer {
-  kInputNorm, kQkv, kQkvBias, kOutput, kPostNorm, kGateUp, kDown, kKeyCache, kValueCache, kLayerPointers
+  kInputNorm, kQkv, kQkvBias, kQNorm, kKNorm, kOutput, kPostNorm, kGateUp, kDown, kKeyCache, kValueCache,
+  kLayerPointers
 };
 
 const void* at(const int64_t* pointers, LayerPointer which) { return reinterpret_cast<const void*>(pointers[which]); }
@@ -39,25 +41,46 @@ struct StepInputs {
 // One row of activations per token for each intermediate result of a layer.
 class Activations {
  public:
-  explicit Activations(const Shape& s)
-      : storage_(static_cast<size_t>(s.num_tokens * s.element_size *
-                                            (3 * s.hidden_size + s.qkv_size() + 2 * s.q_size() + s.kv_size() +
-                                             3 * s.intermediate_size))) {
+  explicit Activations(const Shape& s) {
+    const std::pair<char**, int64_t> widths[] = {
+        {&normed, s.hidden_size}, {&mixed, s.hidden_size}, {&spare_residual, s.hidden_size}, {&qkv, s.qkv_size()},
+        {&normed_query, s.q_size()}, {&normed_key, s.kv_size()}, {&query, s.q_size()}, {&key, s.kv_size()},
+        {&attention, s.q_size()}, {&gate_up, 2 * s.intermediate_size}, {&activated, s.intermediate_size}};
+    int64_t row_bytes = 0;
+    for (const auto& [buffer, width] : widths) row_bytes += width * s.element_size;
+    storage_.resize(static_cast<size_t>(s.num_tokens * row_bytes));
     char* next = storage_.data();
-    for (auto [buffer, width] : {std::pair{&normed, s.hidden_size}, {&mixed, s.hidden_size},
-                                 {&spare_residual, s.hidden_size}, {&qkv, s.qkv_size()}, {&query, s.q_size()},
-                                 {&key, s.kv_size()}, {&attention, s.q_size()}, {&gate_up, 2 * s.intermediate_size},
-                                 {&activated, s.intermediate_size}}) {
+    for (const auto& [buffer, width] : widths) {
       *buffer = next;
       next += s.num_tokens * width * s.element_size;
     }
   }
 
-  char *normed, *mixed, *spare_residual, *qkv, *query, *key, *attention, *gate_up, *activated;
+  char *normed, *mixed, *spare_residual, *qkv, *normed_query, *normed_key, *query, *key, *attention, *gate_up,
+      *activated;
 
  private:
   std::vector<char> storage_;
 };
+
+// Where rotary reads q and k: in qkv, or with q_norm and k_norm, their heads RMS-normed apart from it.
+struct QueryKey {
+  const char *query, *key;
+  int64_t stride_query_token, stride_key_token;
+};
+
+QueryKey normed_query_key(const Shape& s, const StepInputs& in, const int64_t* pointers, Activations& a) {
+  const int64_t bytes = s.element_size, D = s.head_dim;
+  const char* key = a.qkv + s.q_size() * bytes;
+  if (pointers[kQNorm] == 0) return {a.qkv, key, s.qkv_size(), s.qkv_size()};
+  for (int64_t t = 0; t < s.num_tokens; ++t) {  // each token's heads as rows of head_dim
+    prefixserve_rms_norm(s.dtype, a.normed_query + t * s.q_size() * bytes, nullptr, a.qkv + t * s.qkv_size() * bytes,
+                         nullptr, at(pointers, kQNorm), s.num_heads, D, D, 0, in.eps);
+    prefixserve_rms_norm(s.dtype, a.normed_key + t * s.kv_size() * bytes, nullptr, key + t * s.qkv_size() * bytes,
+                         nullptr, at(pointers, kKNorm), s.num_kv_heads, D, D, 0, in.eps);
+  }
+  return {a.normed_query, a.normed_key, s.q_size(), s.kv_size()};
+}
 
 // Attention's half of a layer, from the normed input to the output projection (head_dim one that the
 // attention kernel takes: kernels/cpu/decoder.py checks).
@@ -67,8 +90,9 @@ void attend(const Shape& s, const StepInputs& in, const int64_t* pointers, Activ
   const int64_t T = s.num_tokens, bytes = s.element_size, D = s.head_dim;
   prefixserve_linear(s.dtype, a.qkv, a.normed, at(pointers, kQkv), at(pointers, kQkvBias), T, s.hidden_size,
                      s.qkv_size(), s.hidden_size);
-  prefixserve_apply_rotary(s.dtype, a.query, a.key, a.qkv, a.qkv + s.q_size() * bytes, in.positions,
-                           in.cos_sin_cache, T, s.num_heads, s.num_kv_heads, D, s.qkv_size(), D, s.qkv_size(), D);
+  const QueryKey qk = normed_query_key(s, in, pointers, a);
+  prefixserve_apply_rotary(s.dtype, a.query, a.key, qk.query, qk.key, in.positions, in.cos_sin_cache, T, s.num_heads,
+                           s.num_kv_heads, D, qk.stride_query_token, D, qk.stride_key_token, D);
   prefixserve_write_kv_cache(a.key, a.qkv + (s.q_size() + s.kv_size()) * bytes, key_cache, value_cache,
                              in.slot_mapping, T, s.num_kv_heads, D * bytes, in.block_size, s.kv_size() * bytes,
                              D * bytes, s.qkv_size() * bytes, D * bytes, in.stride_cache_block * bytes,
