@@ -178,13 +178,14 @@ void pack(T* packed, const T* weight, int64_t out_features, int64_t in_features)
 }  // namespace
 }  // namespace prefixserve
 
-// The most rows at which this kernel outran oneDNN's packed matmul on the default model's projections (2 cores
-// of an AMD EPYC, benchmarks/results/step.md): 128 in bf16 with the AVX512-BF16 dot product (0.95x oneDNN's
-// time there, 1.3x at 256), 16 in fp32 with AVX-512, 2 with AVX2.
+// The most rows to run on this kernel rather than oneDNN's packed matmul, measured on the default model (2 cores
+// of an AMD EPYC, benchmarks/results/step.md): in bf16 with the AVX512-BF16 dot product its projections took
+// 0.95x oneDNN's time at 128 rows (1.3x at 256); in fp32 with AVX-512 0.97x at 16; compiled for AVX2 (with
+// oneDNN held to AVX2), 1.14x at 4 rows, where the whole decode step, its layers in one call, was still 0.9x.
 extern "C" int64_t prefixserve_linear_max_rows(int64_t dtype) {
   using namespace prefixserve;
   int64_t rows = 0;
-  dispatch(dtype, [&](auto element) { rows = kPair<decltype(element)> == 2 ? 128 : (kLanes == 16 ? 16 : 2); });
+  dispatch(dtype, [&](auto element) { rows = kPair<decltype(element)> == 2 ? 128 : (kLanes == 16 ? 16 : 4); });
   return rows;
 }
 
