@@ -15,7 +15,7 @@ class LinearWeight:
 
 
 def small_batch_rows(dtype: torch.dtype) -> int:
-    """The most rows at which linear() outruns oneDNN's packed matmul on this CPU (csrc/linear.cpp)."""
+    """The most rows to run on linear() rather than oneDNN's packed matmul on this CPU (csrc/linear.cpp)."""
     if dtype not in DTYPE_CODES:
         raise ValueError(f"the CPU kernels take one dtype of {sorted(map(str, DTYPE_CODES))}, got {dtype}")
     return load().linear_max_rows(dtype=DTYPE_CODES[dtype])

@@ -4,6 +4,8 @@ At a decode step's few rows, Python's calls between the kernels of LlamaForCausa
 a step: modules, views, wrappers, allocations) cost more than the kernels. This runs the same kernels
 in the same order from C++, so the hidden states are bit for bit those of the layers' forward.
 """
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -12,11 +14,15 @@ from kernels.cpu.decoder import LAYER_POINTERS, DecoderShape, decoder_layers
 from kernels.cpu.library import HEAD_DIMS
 from replica.executor.packed_linear import PackedLinear
 
+if TYPE_CHECKING:  # model.py builds this class
+    from replica.executor.model import AttentionGroup, AttentionMetadata
+
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class FusedDecoder:
-    """The decoder layers of a model whose projections all carry small-batch weights."""
+    """The decoder layers of a model whose projections all carry small-batch weights. It holds the weights'
+    addresses: built once they are loaded and packed, for as long as they stay where they are."""
 
     def __init__(self, model: nn.Module):
         config, layers = model.config, model.model.layers
@@ -33,9 +39,7 @@ class FusedDecoder:
     @classmethod
     def of(cls, model: nn.Module) -> "FusedDecoder | None":
         """model's fused decoder, or None where its layers are not all of what the C++ chain runs."""
-        if model.ops.backend != "cpu" or model.tp.size > 1:
-            return None
-        if model.config.head_dim not in HEAD_DIMS:
+        if model.ops.backend != "cpu" or model.tp.size > 1 or model.config.head_dim not in HEAD_DIMS:
             return None
         for layer in model.model.layers:
             if not all(isinstance(linear, PackedLinear) and linear.small_batch_weight is not None
@@ -47,7 +51,7 @@ class FusedDecoder:
         return num_tokens <= self.max_rows
 
     def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                 metadata) -> torch.Tensor:
+                 metadata: "AttentionMetadata") -> torch.Tensor:
         return decoder_layers(hidden, self._layer_table(kv_caches), self.final_norm, positions, self.cos_sin_cache,
                               metadata.slot_mapping, *_one_group(metadata.groups), kv_caches[0][0], self.shape)
 
@@ -60,7 +64,7 @@ class FusedDecoder:
         return self._layers
 
 
-def _one_group(groups) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _one_group(groups: list["AttentionGroup"]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """block_tables, query_start_loc and seq_lens of all groups' requests as one: the C++ attention takes
     decodes and chunks in one call, each request's rows computed alike whichever call they are in."""
     if len(groups) == 1:
