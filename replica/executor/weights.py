@@ -24,10 +24,11 @@ def build_model(checkpoint: Checkpoint, *, dtype: torch.dtype, device: torch.dev
     model._apply(lambda tensor: torch.empty(tensor.shape, dtype=tensor.dtype, device=device))
     model.load_weights((name, tensor.to(device)) for name, tensor in iter_weights(checkpoint, dtype))
     if packed_linear.can_pack(device, dtype):
-        small_batch = ops.backend == "cpu" and packed_linear.small_batch_copy_fits(model)
-        if ops.backend == "cpu" and not small_batch:
+        small_batch = ops.backend == "cpu"
+        if small_batch and not packed_linear.small_batch_copy_fits(model):
             logger.warning("the model's weights are too large to hold a second copy for small batches: "
                            "decode steps run on oneDNN alone")
+            small_batch = False
         model.pack_linear_weights(small_batch)
     return model.eval()
 
