@@ -1,0 +1,79 @@
+"""The CPU paged-attention kernel on decode batches, its K/V read from memory as in a real step.
+
+One call per layer over --layers layers' caches of their own (the default model's: 30 layers of 9 query and
+3 KV heads of 64), so that no layer finds its K/V in the caches the last one left, with each request's blocks
+at random places in the cache (as a served engine's pool hands them out after a while) and in order (as a
+fresh pool does). Prints ms per step's attention and the K/V bytes a second it reads, next to the machine's
+copy bandwidth; run it on two commits (PYTHONPATH) for the kernel's speedup.
+
+    python benchmarks/bench_cpu_attention.py --threads 2 --batch 16 64 --context 300 1000
+"""
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+
+from benchmarks.bench_step import copy_bandwidth  # noqa: E402
+from benchmarks.timing import timed  # noqa: E402
+from kernels.cpu.attention import paged_attention  # noqa: E402
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
+
+
+def block_tables(batch: int, blocks_per_request: int, order: str, generator: torch.Generator) -> torch.Tensor:
+    num_blocks = batch * blocks_per_request
+    ids = torch.randperm(num_blocks, generator=generator) if order == "random" else torch.arange(num_blocks)
+    return ids.to(torch.int32).view(batch, blocks_per_request)
+
+
+def time_step(batch: int, context: int, order: str, args: argparse.Namespace) -> float:
+    """Median seconds of one step's attention: one decode token per request, over every layer."""
+    generator = torch.Generator().manual_seed(args.seed)
+    blocks_per_request = -(-context // BLOCK_SIZE)
+    shape = (batch * blocks_per_request, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    caches = [[torch.randn(shape, generator=generator).to(args.dtype) for _ in range(2)]
+              for _ in range(args.layers)]
+    query = torch.randn(batch, NUM_HEADS, HEAD_DIM, generator=generator).to(args.dtype)
+    tables = block_tables(batch, blocks_per_request, order, generator)
+    query_start_loc = torch.arange(batch + 1, dtype=torch.int32)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32)
+
+    def step() -> None:
+        for key_cache, value_cache in caches:
+            paged_attention(query, key_cache, value_cache, tables, query_start_loc, seq_lens, HEAD_DIM ** -0.5)
+
+    step()
+    return statistics.median(timed(step)[0] for _ in range(args.repeat))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, nargs="+", default=[64])
+    parser.add_argument("--context", type=int, nargs="+", default=[300, 1000], help="tokens each request attends to")
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    args.dtype = getattr(torch, args.dtype)
+    torch.set_num_threads(args.threads)
+    bandwidth = copy_bandwidth()
+    print(f"{args.dtype}, {args.threads} threads, {args.layers} layers, copy bandwidth {bandwidth / 1e9:.1f} GB/s")
+    print("| batch | context | blocks | ms a step | K/V GB/s | of the copy bandwidth |")
+    print("|---:|---:|---|---:|---:|---:|")
+    for batch in args.batch:
+        for context in args.context:
+            kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * args.dtype.itemsize * args.layers
+            for order in ("random", "ordered"):
+                seconds = time_step(batch, context, order, args)
+                print(f"| {batch} | {context} | {order} | {seconds * 1e3:.1f} | {kv_bytes / seconds / 1e9:.1f} "
+                      f"| {kv_bytes / seconds / bandwidth:.0%} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
