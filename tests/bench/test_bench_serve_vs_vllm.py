@@ -46,6 +46,8 @@ def test_the_workloads_are_the_burst_the_prefix_burst_other_prefixes_at_the_requ
     assert ([len(p) for p in stream.prompts], stream.output_len) == ([6, 6, 6], 9)
     assert {len(p) for p in prefix.prompts} == {len(p) for p in paced.prompts} == {20}
     assert not {tuple(p[:16]) for p in prefix.prompts} & {tuple(p[:16]) for p in paced.prompts}
+    firsts = [{tuple(p[:4]) for p in workload.prompts} for workload in (burst, prefix, stream)]
+    assert not firsts[0] & firsts[1] and not firsts[0] & firsts[2] and not firsts[1] & firsts[2]
 
 
 def test_arrivals_are_all_at_once_at_an_infinite_rate_else_seeded_exponential_gaps():
