@@ -63,6 +63,7 @@ class Scheduler:
         self.num_lookahead_tokens = num_speculative_tokens
         self.kv_cache_manager = kv_cache_manager
         self.requests: dict[str, Request] = {}
+        self._clock = clock
         self._trace = trace or SchedulerTrace.from_env()
         self._pin_keeper = PinKeeper(config, kv_cache_manager, clock, self._trace)
         self._compute_rate = self._pin_keeper.compute_rate or (
@@ -507,7 +508,7 @@ class Scheduler:
     def _record_trace(self, plan: _StepPlan) -> None:
         pool = self.kv_cache_manager.block_pool
         self._trace.record(
-            num_waiting=len(self.waiting), num_running=len(self.running),
+            time=self._clock(), num_waiting=len(self.waiting), num_running=len(self.running),
             num_free_blocks=pool.get_num_free_blocks(),
             num_cached_blocks=len(pool.cached_block_hash_to_block),
             prefix_hits=plan.prefix_hits,

@@ -1,4 +1,5 @@
-"""Scheduler trace as JSONL, on only when PREFIXSERVE_SCHED_TRACE=path is set: one record per step, and
+"""Scheduler trace as JSONL, on only when PREFIXSERVE_SCHED_TRACE=path is set: one record per step (with the
+scheduler's clock when it was scheduled: the gaps are the steps' durations), and
 one per pin when it ends ({"pin": ...}: when it was pinned, until when, when the program's next turn
 arrived here, whether that turn found it, and how and when it ended)."""
 import json
@@ -39,12 +40,13 @@ class SchedulerTrace:
             "next_turn_arrived_at": pin.next_turn_arrived_at, "hit": pin.hit, "end": end, "ended_at": now,
         }}) + "\n")
 
-    def record(self, *, num_waiting: int, num_running: int, num_free_blocks: int,
+    def record(self, *, time: float, num_waiting: int, num_running: int, num_free_blocks: int,
                num_cached_blocks: int, prefix_hits: dict[str, tuple[int, int]],
                scheduled: dict[str, dict[str, int]], preempted: list[str], num_pins: int) -> None:
         """prefix_hits: req_id -> (prompt tokens looked up, tokens hit) for this step's admissions."""
         self._file.write(json.dumps({
             "step": self._step,
+            "time": time,
             "num_waiting": num_waiting,
             "num_running": num_running,
             "num_free_blocks": num_free_blocks,

@@ -16,22 +16,24 @@ def test_trace_is_off_by_default(monkeypatch):
 def test_trace_writes_one_json_line_per_step(tmp_path, monkeypatch, make_request):
     path = tmp_path / "trace.jsonl"
     monkeypatch.setenv(TRACE_ENV, str(path))
-    scheduler = make_scheduler(num_blocks=10)
+    clock = FakeClock()
+    scheduler = make_scheduler(num_blocks=10, clock=clock)
     scheduler.add_request(make_request("a", list(range(9))))
     step(scheduler)
+    clock.now = 0.25
     scheduler.add_request(make_request("b", list(range(8)) + [5]))
     step(scheduler)
     scheduler._trace.close()
     first, second = [json.loads(line) for line in path.read_text().splitlines()]
     assert first == {
-        "step": 0, "num_waiting": 0, "num_running": 1, "num_free_blocks": 6, "num_cached_blocks": 2,
+        "step": 0, "time": 0.0, "num_waiting": 0, "num_running": 1, "num_free_blocks": 6, "num_cached_blocks": 2,
         "prefix_hits": {"a": {"num_tokens": 9, "num_cached_tokens": 0}},
         "scheduled": {"running": {}, "resumed": {}, "new": {"a": 9}}, "preempted": [],
         "num_pins": 0, "pins": {"pinned": [], "expired": [], "released": [], "hits": []},
     }
     assert second["prefix_hits"] == {"b": {"num_tokens": 9, "num_cached_tokens": 8}}
     assert second["scheduled"] == {"running": {"a": 1}, "resumed": {}, "new": {"b": 1}}
-    assert second["num_free_blocks"] == 5
+    assert (second["num_free_blocks"], second["time"]) == (5, 0.25)
 
 
 def test_every_pin_leaves_one_record_when_it_ends(tmp_path, monkeypatch):
