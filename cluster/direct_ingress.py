@@ -18,6 +18,9 @@ DIRECT_INGRESS_ENV = {
     "RAY_SERVE_ENABLE_HA_PROXY": "1",  # HAProxy in front of replicas that listen on ports of their own
     "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1",  # the router routes on the prompt: it needs the body
     "RAY_SERVE_SESSION_ID_HEADER_KEY": "x-session-id",  # forwarded to the router (cluster.protocol.SESSION_HEADER)
+    # a replica's code on the event loop its HTTP server runs on: on a loop of its own, every streamed chunk crossed
+    # from one loop to the other (the engine replica's CPU a token 0.095 -> 0.068 ms: benchmarks/results/serve-vs-vllm.md)
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
 }
 
 
