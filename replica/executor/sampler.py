@@ -6,6 +6,8 @@ import torch
 
 from replica.request import SamplingParams
 
+CDF_BLOCK = 1024  # random_sample's first level: the entries a block of the cumulative sums covers
+
 
 @dataclass
 class SamplingMetadata:
@@ -42,12 +44,13 @@ class Sampled(NamedTuple):
 
 def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> Sampled:
     """logits [R, V] fp32 -> the sampled tokens, and the logprobs asked for (k: the most any row asks)."""
-    greedy = logits.argmax(dim=-1)
     if metadata.all_greedy:
-        token_ids = greedy
+        token_ids = logits.argmax(dim=-1)
     else:
-        token_ids = torch.where(metadata.temperatures > 0,
-                                random_sample(target_probs(logits, metadata), metadata.generators), greedy)
+        token_ids = random_sample(target_probs(logits, metadata), metadata.generators)
+        greedy_rows = metadata.temperatures == 0
+        if greedy_rows.any():  # the argmax is a pass over the logits as long as the softmax
+            token_ids = torch.where(greedy_rows, logits.argmax(dim=-1), token_ids)
     return with_logprobs(logits, token_ids, metadata)
 
 
@@ -102,13 +105,26 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
     """Inverse-CDF sampling: each row's token is where one uniform draw lands in its cumulative
     probabilities, each seeded row drawing with its own generator; probs need not be normalised. One
     draw a row, where Gumbel-max's exponentials (one per vocabulary entry) took 14% of a CPU decode step
-    at 64 rows."""
-    cdf = probs.cumsum(dim=-1)
+    at 64 rows. The cumulative sums in two levels: over blocks of CDF_BLOCK entries, then inside the one
+    block the draw lands in (a whole row's cumsum took 1.7 ms of a 64-row CPU step, 49,152 entries a row)."""
+    num_rows, vocab_size = probs.shape
+    padding = -vocab_size % CDF_BLOCK
+    blocks = torch.nn.functional.pad(probs, (0, padding)).view(num_rows, -1, CDF_BLOCK)
+    block_cdf = blocks.sum(dim=-1).cumsum(dim=-1)
+    uniform = uniform_per_row(num_rows, generators, probs.device).unsqueeze(1)
+    block, point = _land(block_cdf, uniform * block_cdf[:, -1:])
+    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
+    inner_cdf = blocks[torch.arange(num_rows, device=probs.device), block.squeeze(1)].cumsum(dim=-1)
+    offset, _ = _land(inner_cdf, point - before)
+    return (block * CDF_BLOCK + offset).squeeze(1)
+
+
+def _land(cdf: torch.Tensor, point: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[R, 1] index of the first entry of each row's cdf above point, which is first held strictly below the
+    row's total: that entry's probability is above zero, whatever the rounding; and the point so held."""
     total = cdf[:, -1:]
-    uniform = uniform_per_row(probs.shape[0], generators, probs.device).unsqueeze(1)
-    # Strictly below the total, the first entry past the point has a probability above zero.
-    point = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, point, right=True).squeeze(1)
+    point = torch.minimum(point, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, point, right=True), point
 
 
 def uniform_per_row(num_rows: int, generators: dict[int, torch.Generator], device: torch.device) -> torch.Tensor:

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from replica.executor.sampler import SamplingMetadata, sample
+from replica.executor.sampler import CDF_BLOCK, SamplingMetadata, _land, random_sample, sample
 from replica.request import SamplingParams
 
 PROBS = [0.5, 0.3, 0.2]
@@ -56,6 +56,25 @@ def test_mixed_batch_keeps_each_rows_rule():
     assert set(token_ids[0::3].tolist()) == {0}
     assert set(token_ids[1::3].tolist()) == {0, 1}
     assert set(token_ids[2::3].tolist()) == {0}
+
+
+def test_a_draw_lands_on_the_token_a_whole_rows_cumulative_sum_gives_across_blocks_and_never_on_a_zero():
+    vocab_size = 2 * CDF_BLOCK + 5  # a last block mostly padding
+    probs = torch.zeros(1, vocab_size)
+    probs[0, [0, 7, CDF_BLOCK - 1, CDF_BLOCK, vocab_size - 1]] = torch.tensor([1.0, 2.0, 1.0, 4.0, 2.0])
+    cdf = probs.cumsum(dim=-1)
+    drawn = []
+    for seed in range(400):
+        uniform = torch.rand(1, generator=torch.Generator().manual_seed(seed))
+        expected = torch.searchsorted(cdf, uniform.unsqueeze(1) * cdf[:, -1:], right=True).item()
+        drawn.append(random_sample(probs, {0: torch.Generator().manual_seed(seed)}).item())
+        assert drawn[-1] == expected
+    assert set(drawn) == {0, 7, CDF_BLOCK - 1, CDF_BLOCK, vocab_size - 1}
+
+
+def test_a_point_past_the_total_by_rounding_lands_on_the_last_token_with_a_probability():
+    index, held = _land(torch.tensor([[1.0, 1.0, 3.0, 3.0]]), torch.tensor([[3.0000002]]))
+    assert index.tolist() == [[2]] and held.item() < 3.0
 
 
 def test_seeded_rows_do_not_depend_on_the_rest_of_the_batch():
