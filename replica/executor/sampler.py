@@ -17,6 +17,7 @@ class SamplingMetadata:
     top_ps: torch.Tensor | None        # [R] fp32; None if 1 for every row
     generators: dict[int, torch.Generator]  # row -> the seeded request's own generator
     all_greedy: bool
+    any_greedy: bool
     needs_logprobs: bool
     max_top_logprobs: int  # the most any row asks for
 
@@ -31,6 +32,7 @@ class SamplingMetadata:
             top_ps=None if all(p == 1.0 for p in top_ps) else torch.tensor(top_ps, device=device),
             generators=generators,
             all_greedy=all(p.temperature == 0 for p in params),
+            any_greedy=any(p.temperature == 0 for p in params),
             needs_logprobs=any(p.logprobs for p in params),
             max_top_logprobs=max((p.top_logprobs for p in params), default=0),
         )
@@ -48,9 +50,8 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> Sampled:
         token_ids = logits.argmax(dim=-1)
     else:
         token_ids = random_sample(target_probs(logits, metadata), metadata.generators)
-        greedy_rows = metadata.temperatures == 0
-        if greedy_rows.any():  # the argmax is a pass over the logits as long as the softmax
-            token_ids = torch.where(greedy_rows, logits.argmax(dim=-1), token_ids)
+        if metadata.any_greedy:  # the argmax is a pass over the logits as long as the softmax
+            token_ids = torch.where(metadata.temperatures == 0, logits.argmax(dim=-1), token_ids)
     return with_logprobs(logits, token_ids, metadata)
 
 
