@@ -109,8 +109,9 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
     at 64 rows. The cumulative sums in two levels: over blocks of CDF_BLOCK entries, then inside the one
     block the draw lands in (a whole row's cumsum took 1.7 ms of a 64-row CPU step, 49,152 entries a row)."""
     num_rows, vocab_size = probs.shape
-    padding = -vocab_size % CDF_BLOCK
-    blocks = torch.nn.functional.pad(probs, (0, padding)).view(num_rows, -1, CDF_BLOCK)
+    padding = -vocab_size % CDF_BLOCK  # none for the default model's 49,152: no copy of the probs then
+    padded = torch.nn.functional.pad(probs, (0, padding)) if padding else probs
+    blocks = padded.reshape(num_rows, -1, CDF_BLOCK)
     block_cdf = blocks.sum(dim=-1).cumsum(dim=-1)
     uniform = uniform_per_row(num_rows, generators, probs.device).unsqueeze(1)
     block, point = _land(block_cdf, uniform * block_cdf[:, -1:])
