@@ -13,6 +13,7 @@ import functools
 import logging
 import multiprocessing
 import queue
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -114,7 +115,8 @@ class ProcessEngine(EngineFrontend):
         ours, theirs = context.Pipe()
         process = context.Process(target=run_core, args=(theirs, make_core, idle_interval_s), name="engine-core",
                                   daemon=True)
-        process.start()
+        with _main_module_unseen():
+            process.start()
         theirs.close()
         try:
             kind, payload = await asyncio.to_thread(_first_message, ours, process)
@@ -208,6 +210,22 @@ class ProcessEngine(EngineFrontend):
             for future in self._calls.values():
                 future.set_exception(exc)
             self._calls.clear()
+
+
+@contextlib.contextmanager
+def _main_module_unseen():
+    """A spawned process runs its parent's main module again (as __mp_main__) unless the parent's has neither a
+    file nor a module name: in a Serve replica that is Ray's worker script, whose imports (Ray's) the core
+    process never uses. What the core runs must pickle by importable names anyway."""
+    main = sys.modules["__main__"]
+    path, spec = main.__dict__.pop("__file__", None), main.__spec__
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__spec__ = spec
+        if path is not None:
+            main.__file__ = path
 
 
 def _first_message(pipe: Connection, process: multiprocessing.Process) -> tuple[str, Any]:

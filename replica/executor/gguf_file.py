@@ -18,6 +18,7 @@ _MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
 _STRING, _ARRAY = 8, 9
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_LENGTH = struct.Struct("<Q")
 # tensor types stored as plain numbers; the others are blocks of bytes
 _PLAIN = {GGMLQuantizationType.F16: np.float16, GGMLQuantizationType.F32: np.float32,
           GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8, GGMLQuantizationType.I16: np.int16,
@@ -73,13 +74,27 @@ class _Reader:
         self.offset += length
         return self.buffer[self.offset - length:self.offset].decode("utf-8", errors="replace")
 
+    def strings(self, count: int) -> list[str]:
+        """count strings in a row: a vocabulary and its merges, 98k strings that
+        string() one at a time reads in twice the time."""
+        buffer, offset, length_of = self.buffer, self.offset, _LENGTH.unpack_from
+        strings = []
+        for _ in range(count):
+            (length,), start = length_of(buffer, offset), offset + 8
+            offset = start + length
+            strings.append(buffer[start:offset].decode("utf-8", errors="replace"))
+        self.offset = offset
+        return strings
+
     def value(self, value_type: int) -> Any:
         if value_type == _STRING:
             return self.string()
         if value_type != _ARRAY:
             return self.scalar(_SCALARS[value_type])
         item_type, count = self.scalar("I"), self.scalar("Q")
-        if item_type in (_STRING, _ARRAY):
+        if item_type == _STRING:
+            return self.strings(count)
+        if item_type == _ARRAY:
             return [self.value(item_type) for _ in range(count)]
         items = np.frombuffer(self.buffer, np.dtype("<" + _SCALARS[item_type]), count, self.offset)
         self.offset += items.nbytes

@@ -4,6 +4,9 @@ import asyncio
 import functools
 import os
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -90,6 +93,40 @@ def test_a_call_runs_in_the_core_and_brings_back_its_error():
         return await collect(engine, engine_request("a", 1))
 
     assert [o.new_token_ids for o in run(test)] == [[100]]
+
+
+def parents_main_module_ran(core) -> bool:
+    return sys.modules["__main__"].__name__ == "__mp_main__"  # spawn's name for the parent's main, run again
+
+
+SERVING_SCRIPT = """
+import asyncio
+from replica.core_process import ProcessEngine
+from tests.cluster.fakes import FakeEngineCore
+from tests.replica.test_core_process import parents_main_module_ran
+print("the main module ran", flush=True)
+
+async def main():
+    engine = await ProcessEngine.start(FakeEngineCore)
+    try:
+        print("in the core process:", await engine.call(parents_main_module_ran))
+    finally:
+        await engine.shutdown()
+
+if __name__ == "__main__":
+    asyncio.run(main())
+"""
+
+
+def test_the_core_process_does_not_run_the_parents_main_module_again(tmp_path):
+    """A Serve replica's main module is Ray's worker script: run again in the core process, its imports took
+    a fifth of a second or more of the core's start."""
+    script = tmp_path / "serving.py"
+    script.write_text(SERVING_SCRIPT)
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env=os.environ | {"PYTHONPATH": str(repo)})
+    assert done.stdout.splitlines() == ["the main module ran", "in the core process: False"], done.stderr
 
 
 def test_the_step_hook_sees_the_cores_kv_events_and_cached_blocks():
