@@ -7,7 +7,10 @@ onto one replica (benchmarks/results/routing-sim-routers.md). A background task 
 replays what the engines reported (router/feed.py), which the actor answers no sooner than the interval
 after the last answer, and with nothing new it holds a sync until there is (a long poll of up to
 LONG_POLL_S), so an idle ingress makes about one call a second. While the actor is slow or gone,
-routing goes on with the last view, and this process's own bookings keep counting.
+routing goes on with the last view, and this process's own bookings keep counting. A process that has routed
+nothing for DORMANT_AFTER_S stops following (Serve's proxy holds a router that the direct front door's HAProxy
+passes by: it replayed every booking and report, 0.7 ms of CPU a request, benchmarks/results/path-costs.md);
+its next request waits for one sync before it is routed, and the following resumes.
 """
 import asyncio
 import logging
@@ -26,6 +29,7 @@ from router.policy import PolicyConfig
 logger = logging.getLogger("ray.serve.prefixserve.router")
 
 LONG_POLL_S = 1.0
+DORMANT_AFTER_S = 10.0
 _FOLLOWERS: dict[str, "FollowingRouter"] = {}  # by app name: one per process, shared by its request routers
 
 
@@ -44,6 +48,8 @@ class FollowingRouter:
         self._pusher: asyncio.Task | None = None  # sends the outbox; kept: the loop holds tasks weakly
         self._loop: asyncio.AbstractEventLoop | None = None
         self._syncing = asyncio.Lock()  # one sync at a time: each replays from the cursor the last one left
+        self._following: asyncio.Task | None = None  # the syncs in the background, while this process routes
+        self._routed_at = time.monotonic()
 
     @property
     def started(self) -> bool:
@@ -54,7 +60,14 @@ class FollowingRouter:
         if self.started:
             return
         self._loop = loop
-        loop.call_soon_threadsafe(lambda: loop.create_task(self._run()))
+        loop.call_soon_threadsafe(self._follow)
+
+    async def wake(self) -> None:
+        """Call before each decision, on the routing loop: a follower gone dormant catches up first."""
+        self._routed_at = time.monotonic()
+        if self._following is not None and self._following.done():
+            await self.sync()
+            self._follow()
 
     def choose(self, request_id: str, block_hashes: Sequence[BlockHash], candidates: Sequence[str], *,
                num_prompt_tokens: int, session_id: str | None, route_to: str | None = None) -> RoutingDecision:
@@ -107,8 +120,12 @@ class FollowingRouter:
         self._epoch, self._cursor, self._answered_at = update.epoch, update.cursor, time.monotonic()
         return True
 
+    def _follow(self) -> None:
+        self._following = self._loop.create_task(self._run())
+
     async def _run(self) -> None:
-        while True:  # the router actor paces the syncs that reach it; one that fails waits an interval
+        # the router actor paces the syncs that reach it; one that fails waits an interval
+        while time.monotonic() - self._routed_at < DORMANT_AFTER_S:
             if not await self.sync(LONG_POLL_S):
                 await asyncio.sleep(self._interval_s)
 

@@ -38,6 +38,7 @@ class PrefixAwareRequestRouter(RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         self._following.start(asyncio.get_running_loop())  # Serve's routing loop, which the first call runs on
+        await self._following.wake()
         request = _routable(pending_request)
         if request is None or not candidate_replicas:
             return [candidate_replicas]

@@ -218,3 +218,27 @@ def test_replicas_that_leave_or_die_leave_the_view_and_the_feed():
 
     assert run(test, feed) == {}
     assert feed.removed == ["a", "c"]
+
+
+def test_a_router_that_routes_nothing_for_a_while_stops_following_and_catches_up_before_its_next_decision(
+        monkeypatch):
+    monkeypatch.setattr(follower_module, "DORMANT_AFTER_S", 0.1)
+    feed = FakeFeed()
+    first = EngineRequest("req-1", list(range(8)), chain(3, 4), SamplingParams())
+    second = EngineRequest("req-2", list(range(8)), chain(1, 2), SamplingParams())
+
+    async def test(router, replicas):
+        await router.choose_replicas(replicas, FakePendingRequest([first]))
+        await asyncio.sleep(0.3)  # past the dormancy, and the held sync that ran into it
+        syncs_when_dormant = len(feed.reports_in_s)
+        await asyncio.sleep(0.2)
+        syncs_while_dormant = len(feed.reports_in_s) - syncs_when_dormant
+        feed.owner.publish("c", 1, [stored(chain(1, 2))], stats(), [])
+        tiers = await router.choose_replicas(replicas, FakePendingRequest([second]))
+        await asyncio.sleep(0.05)
+        return syncs_while_dormant, tiers, len(feed.reports_in_s) > syncs_when_dormant + 1
+
+    syncs_while_dormant, tiers, following_again = run(test, feed)
+    assert syncs_while_dormant == 0
+    assert ids(tiers) == [["c"], ["a", "b"]]  # the report it missed while dormant decided it
+    assert following_again
