@@ -10,9 +10,10 @@ LONG_POLL_S), so an idle ingress makes about one call a second. While the actor 
 routing goes on with the last view, and this process's own bookings keep counting. A process that has routed
 nothing for DORMANT_AFTER_S stops following (Serve's proxy holds a router that the direct front door's HAProxy
 passes by: it replayed every booking and report, 0.7 ms of CPU a request, benchmarks/results/path-costs.md);
-its next request waits for one sync before it is routed, and the following resumes.
+its next request waits for one sync (WAKE_SYNC_TIMEOUT_S at most) before it is routed, and the following resumes.
 """
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -30,6 +31,7 @@ logger = logging.getLogger("ray.serve.prefixserve.router")
 
 LONG_POLL_S = 1.0
 DORMANT_AFTER_S = 10.0
+WAKE_SYNC_TIMEOUT_S = 0.25
 _FOLLOWERS: dict[str, "FollowingRouter"] = {}  # by app name: one per process, shared by its request routers
 
 
@@ -63,10 +65,14 @@ class FollowingRouter:
         loop.call_soon_threadsafe(self._follow)
 
     async def wake(self) -> None:
-        """Call before each decision, on the routing loop: a follower gone dormant catches up first."""
+        """Call before each decision, on the routing loop: a follower gone dormant catches up first, unless the
+        feed is slow or gone (routing then goes on with the last view)."""
         self._routed_at = time.monotonic()
-        if self._following is not None and self._following.done():
-            await self.sync()
+        if self._following is None or not self._following.done():
+            return
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.sync(), WAKE_SYNC_TIMEOUT_S)
+        if self._following.done():  # another decision's wake may have resumed it meanwhile
             self._follow()
 
     def choose(self, request_id: str, block_hashes: Sequence[BlockHash], candidates: Sequence[str], *,

@@ -242,3 +242,17 @@ def test_a_router_that_routes_nothing_for_a_while_stops_following_and_catches_up
     assert syncs_while_dormant == 0
     assert ids(tiers) == [["c"], ["a", "b"]]  # the report it missed while dormant decided it
     assert following_again
+
+
+def test_a_dormant_router_still_decides_when_the_feed_hangs(monkeypatch):
+    monkeypatch.setattr(follower_module, "DORMANT_AFTER_S", 0.1)
+    feed = FakeFeed()
+
+    async def test(router, replicas):
+        await router.choose_replicas(replicas, FakePendingRequest([REQUEST]))
+        await asyncio.sleep(0.3)
+        feed.hang = True
+        second = replace(REQUEST, request_id="req-2")
+        return await asyncio.wait_for(router.choose_replicas(replicas, FakePendingRequest([second])), timeout=5)
+
+    assert ids(run(test, feed)) == [["a"], ["b", "c"]]  # the session's replica, on the view it had
