@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import collections
 import json
+import os
 import random
 import re
 import statistics
@@ -71,7 +72,7 @@ def in_process_latencies(args: argparse.Namespace, warmup: list[list[int]], meas
         request.write_text(json.dumps({"threads": args.threads, "model": args.model, "dtype": args.dtype,
                                        "gap_s": args.gap_s, "prompts": warmup + measured}))
         subprocess.run([sys.executable, __file__, "--in-process-worker", str(request), str(report)], check=True,
-                       env={"OMP_NUM_THREADS": str(args.threads), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)})
+                       env=os.environ | {"OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(REPO)})
         return json.loads(report.read_text())[len(warmup):]
 
 
@@ -96,11 +97,11 @@ def cpu_by_label(before: dict, after: dict) -> dict[str, float]:
     return spent
 
 
-def measure_server(args: argparse.Namespace, model_name_bodies, log_path: Path) -> dict:
+def measure_server(args: argparse.Namespace, bodies_for, log_path: Path) -> dict:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     with running_server(prefixserve_command(args, port, "direct"), base, {}, 300, log_path) as (model, sid):
-        warmup, measured = (model_name_bodies(model, prompts) for prompts in args.prompt_sets)
+        warmup, measured = (bodies_for(model, prompt_set) for prompt_set in args.prompt_sets)
         asyncio.run(send_one_at_a_time(base, "/v1/completions", warmup, args.gap_s))
         ports = dict(PORT_LINE.findall(log_path.read_text()))
         time.sleep(args.settle_s)
