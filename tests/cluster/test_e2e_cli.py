@@ -79,7 +79,7 @@ def test_it_serves_a_chat_from_a_ray_node_on_loopback(server):
                                               max_tokens=4, temperature=0)
     assert (chat.usage.completion_tokens, chat.choices[0].finish_reason) == (4, "length")
     assert ray_node_listeners_beyond_loopback(server.process.pid) == []
-    serving_processes = {process.name() for process in psutil.Process(server.process.pid).children(recursive=True)}
+    serving_processes = {name_of(process) for process in psutil.Process(server.process.pid).children(recursive=True)}
     assert ("haproxy" in serving_processes) == (haproxy_binary() is not None)  # the direct front door where it can
 
 
@@ -108,10 +108,18 @@ def ray_node_listeners_beyond_loopback(pid: int) -> list[str]:
     on beyond loopback. (Serve's replicas open their inter-deployment gRPC server on [::] whatever the node
     address: Ray Serve 2.60's replica.py.)"""
     node = [process for process in psutil.Process(pid).children(recursive=True)
-            if process.name() in ("gcs_server", "raylet")]
+            if name_of(process) in ("gcs_server", "raylet")]
     assert len(node) == 2
     return [f"{conn.laddr.ip}:{conn.laddr.port} ({process.name()})" for process in node
             for conn in _listening(process) if not re.fullmatch(r"(::ffff:)?127\.\d+\.\d+\.\d+|::1", conn.laddr.ip)]
+
+
+def name_of(process: psutil.Process) -> str | None:
+    """None for a process gone since it was listed (an HAProxy that a reload replaced, say)."""
+    try:
+        return process.name()
+    except psutil.NoSuchProcess:
+        return None
 
 
 def _listening(process: psutil.Process) -> list:
