@@ -70,13 +70,11 @@ class _Reader:
         return value
 
     def string(self) -> str:
-        length = self.scalar("Q")
-        self.offset += length
-        return self.buffer[self.offset - length:self.offset].decode("utf-8", errors="replace")
+        return self.strings(1)[0]
 
     def strings(self, count: int) -> list[str]:
-        """count strings in a row: a vocabulary and its merges, 98k strings that
-        string() one at a time reads in twice the time."""
+        """count strings in a row, in one loop: a vocabulary and its merges (98k strings) in half the time
+        that a call a string takes."""
         buffer, offset, length_of = self.buffer, self.offset, _LENGTH.unpack_from
         strings = []
         for _ in range(count):
