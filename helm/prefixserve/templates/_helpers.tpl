@@ -155,6 +155,7 @@ spec:
         - {name: RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY, value: "1"}
         - {name: RAY_SERVE_SESSION_ID_HEADER_KEY, value: x-session-id}
         - {name: RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD, value: "0"}
+        - {name: RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP, value: "0"}
         {{- end }}
         {{- if or $root.Values.apiKey.existingSecret $root.Values.apiKey.value }}
         - name: PREFIXSERVE_API_KEY
