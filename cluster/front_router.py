@@ -31,23 +31,11 @@ router_api = FastAPI(openapi_url=None)
 @serve.ingress(router_api)
 class FrontRouter:
     async def __init__(self, engine: DeploymentHandle, config: ClusterConfig):
-        self._engine = engine
-        self._model = config.engine.model
-        self._app_name = serve.get_replica_context().app_name
-        # Not awaited here: the model's details come from an engine replica, and this replica, ready without them,
-        # is in HAProxy's configuration by the time the first engine replica is (a start-up 0.4 s shorter).
-        self._preparer = asyncio.create_task(self._make_preparer())
-
-    async def _make_preparer(self) -> RequestPreparer:
         model, checkpoint = await asyncio.gather(
-            self._engine.model_info.remote(), asyncio.to_thread(load_checkpoint, self._model))
-        return RequestPreparer(checkpoint.tokenizer, model)
-
-    async def _prepared(self) -> RequestPreparer:
-        """The preparer, made again if the last try failed (an engine replica lost while it answered)."""
-        if self._preparer.done() and self._preparer.exception() is not None:
-            self._preparer = asyncio.create_task(self._make_preparer())
-        return await self._preparer
+            engine.model_info.remote(), asyncio.to_thread(load_checkpoint, config.engine.model))
+        self._preparer = RequestPreparer(checkpoint.tokenizer, model)
+        self._engine = engine
+        self._app_name = serve.get_replica_context().app_name
 
     @router_api.post("/internal/route")
     async def route(self, request: Request) -> dict[str, Any]:
@@ -55,8 +43,7 @@ class FrontRouter:
         the replicas refuse goes where load alone sends it, to get its 4xx there."""
         raw_body = await request.body()
         session_id = request.headers.get(SESSION_HEADER)
-        preparer = await self._prepared()
-        routable = await preparer.off_loop(preparer.routable, raw_body, session_id)
+        routable = await self._preparer.off_loop(self._preparer.routable, raw_body, session_id)
         async with self._engine.choose_replica(*(() if routable is None else (routable,)), _reserve=False) as chosen:
             replica_id = ReplicaID(chosen.replica_id, self._engine.deployment_id).to_full_id_str()
         headers = {} if routable is None else {ROUTED_REQUEST_ID_HEADER: routable.request_id}
