@@ -22,7 +22,7 @@ DIRECT_INGRESS_ENV = {
     # from one loop to the other (the engine replica's CPU a token 0.095 -> 0.068 ms: benchmarks/results/serve-vs-vllm.md)
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
     # a handle's routing (the router replica's choose_replica, each request) on that same loop, not on a loop of
-    # Serve's in another thread: the route call 4.2 -> 3.9 ms (benchmarks/results/path-costs.md)
+    # Serve's in another thread: the route call 3.4-4.1 -> 2.6-3.0 ms (benchmarks/results/path-costs.md)
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
 }
 

