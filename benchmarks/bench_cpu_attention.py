@@ -1,14 +1,17 @@
-"""The CPU paged-attention kernel on decode batches, its K/V read from memory as in a real step.
+"""The CPU paged-attention kernel on decode batches and prefill chunks, its K/V read from memory as in a real step.
 
 One call per layer over --layers layers' caches of their own (the default model's: 30 layers of 9 query and
 3 KV heads of 64), so that no layer finds its K/V in the caches the last one left, with each request's blocks
 at random places in the cache (as a served engine's pool hands them out after a while) and in order (as a
 fresh pool does). Prints ms per step's attention and the K/V bytes a second it reads, next to the machine's
-copy bandwidth; run it on two commits (PYTHONPATH) for the kernel's speedup.
+copy bandwidth; run it on two commits (PYTHONPATH) for the kernel's speedup. --query-len above 1 makes each
+request a prefill chunk of that many tokens at the end of its context (64 new tokens over 512 cached:
+`--batch 1 --query-len 64 --context 576`), and adds the attention's multiply-adds a second.
 
     python benchmarks/bench_cpu_attention.py --threads 2 --batch 16 64 --context 300 1000
 """
 import argparse
+import itertools
 import statistics
 import sys
 from pathlib import Path
@@ -30,16 +33,21 @@ def block_tables(batch: int, blocks_per_request: int, order: str, generator: tor
     return ids.to(torch.int32).view(batch, blocks_per_request)
 
 
-def time_step(batch: int, context: int, order: str, args: argparse.Namespace) -> float:
-    """Median seconds of one step's attention: one decode token per request, over every layer."""
+def num_scores(batch: int, context: int, query_len: int) -> int:
+    """Query-key pairs a step's attention computes in one head of one layer (the causal chunk's included)."""
+    return batch * sum(context - query_len + 1 + token for token in range(query_len))
+
+
+def time_step(batch: int, context: int, query_len: int, order: str, args: argparse.Namespace) -> float:
+    """Median seconds of one step's attention: query_len tokens per request, over every layer."""
     generator = torch.Generator().manual_seed(args.seed)
     blocks_per_request = -(-context // BLOCK_SIZE)
     shape = (batch * blocks_per_request, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     caches = [[torch.randn(shape, generator=generator).to(args.dtype) for _ in range(2)]
               for _ in range(args.layers)]
-    query = torch.randn(batch, NUM_HEADS, HEAD_DIM, generator=generator).to(args.dtype)
+    query = torch.randn(batch * query_len, NUM_HEADS, HEAD_DIM, generator=generator).to(args.dtype)
     tables = block_tables(batch, blocks_per_request, order, generator)
-    query_start_loc = torch.arange(batch + 1, dtype=torch.int32)
+    query_start_loc = torch.arange(0, batch * query_len + 1, query_len, dtype=torch.int32)
     seq_lens = torch.full((batch,), context, dtype=torch.int32)
 
     def step() -> None:
@@ -54,6 +62,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, nargs="+", default=[64])
     parser.add_argument("--context", type=int, nargs="+", default=[300, 1000], help="tokens each request attends to")
+    parser.add_argument("--query-len", type=int, nargs="+", default=[1], help="query tokens a request (1: decodes)")
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -64,15 +73,15 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     bandwidth = copy_bandwidth()
     print(f"{args.dtype}, {args.threads} threads, {args.layers} layers, copy bandwidth {bandwidth / 1e9:.1f} GB/s")
-    print("| batch | context | blocks | ms a step | K/V GB/s | of the copy bandwidth |")
-    print("|---:|---:|---|---:|---:|---:|")
-    for batch in args.batch:
-        for context in args.context:
-            kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * args.dtype.itemsize * args.layers
-            for order in ("random", "ordered"):
-                seconds = time_step(batch, context, order, args)
-                print(f"| {batch} | {context} | {order} | {seconds * 1e3:.1f} | {kv_bytes / seconds / 1e9:.1f} "
-                      f"| {kv_bytes / seconds / bandwidth:.0%} |", flush=True)
+    print("| batch | query | context | blocks | ms a step | K/V GB/s | of the copy bandwidth | GMAC/s |")
+    print("|---:|---:|---:|---|---:|---:|---:|---:|")
+    for batch, query_len, context in itertools.product(args.batch, args.query_len, args.context):
+        kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * args.dtype.itemsize * args.layers
+        macs = 2 * num_scores(batch, context, query_len) * NUM_HEADS * HEAD_DIM * args.layers  # QK and PV
+        for order in ("random", "ordered"):
+            seconds = time_step(batch, context, query_len, order, args)
+            print(f"| {batch} | {query_len} | {context} | {order} | {seconds * 1e3:.2f} | {kv_bytes / seconds / 1e9:.1f} "
+                  f"| {kv_bytes / seconds / bandwidth:.0%} | {macs / seconds / 1e9:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,29 @@ def test_paged_attention_bf16_decodes_and_chunks_match_reference(block_size):
     torch.testing.assert_close(out.double(), batch.dense_attention(), atol=1.6e-2, rtol=0)
 
 
+@pytest.mark.parametrize("head_dim", library.HEAD_DIMS)
+@pytest.mark.parametrize("num_heads", [3, 9, 12])
+def test_paged_attention_bf16_prefill_chunks_match_float64(head_dim, num_heads):
+    # chunks of many tokens over cached contexts (in bf16 with AVX512-BF16, rows in the lanes): one and two
+    # vectors of rows, a tile of 2 tokens (below the row count where they start), odd context lengths,
+    # contexts ending mid-block and mid-chunk, beside decodes
+    batch = make_paged_batch([64, 2, 3, 1, 40, 33], [576, 40, 301, 300, 40, 100], num_heads, 3, head_dim=head_dim,
+                             dtype=torch.bfloat16, seed=num_heads)
+    torch.testing.assert_close(cpu_ops.paged_attention(*batch.args()).double(), batch.dense_attention(),
+                               atol=1.6e-2, rtol=0)
+
+
+def test_paged_attention_bf16_gives_a_token_the_same_output_whatever_chunk_it_is_in():
+    # a prefix cache hit splits a prompt's tokens into other chunks than a recompute does: 40 tokens at
+    # once, or 15 and then 25 over the same blocks, attend bit for bit alike
+    batch = make_paged_batch([40], [300], 9, 3, head_dim=64, dtype=torch.bfloat16, seed=3)
+    whole = cpu_ops.paged_attention(*batch.args())
+    split = cpu_ops.paged_attention(batch.query, batch.key_cache, batch.value_cache,
+                                    batch.block_tables.repeat(2, 1), torch.tensor([0, 15, 40], dtype=torch.int32),
+                                    torch.tensor([275, 300], dtype=torch.int32), batch.scale)
+    assert torch.equal(whole, split)
+
+
 def test_paged_attention_many_decodes_beside_a_chunk_match_float64():
     # 64 decodes of different lengths and a chunk whose context starts mid-block, in shuffled blocks
     query_lens, seq_lens = [1] * 64 + [25], [5 + 7 * i for i in range(64)] + [61]

@@ -6,12 +6,15 @@
 // the whole group. It walks the context through the block table in chunks of kChunkVecs vectors' width
 // of positions: per row, each vector's width of dot products becomes one vector of scores, then one
 // online-softmax update (fp32, base 2) for the whole chunk, so its horizontal reductions and rescale
-// are paid once per kChunkVecs * kLanes positions.
+// are paid once per kChunkVecs * kLanes positions. In bf16 with AVX512-BF16, a work item of many rows runs as a
+// PairedTile instead (attention_pairs.h): a prefill chunk's rows in the lanes, two multiply-adds an instruction.
 #include <algorithm>
 #include <limits>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
+#include "attention_pairs.h"
 #include "kernels.h"
 #include "vec.h"
 
@@ -23,6 +26,18 @@ constexpr int kChunkVecs = 4;         // score vectors per online-softmax update
 constexpr int kChunk = kChunkVecs * kLanes;  // context positions per chunk
 constexpr int64_t kPrefetchBlocks = 2;      // how far ahead of the one being read a position's lines are asked for
 constexpr float kInfinity = std::numeric_limits<float>::infinity();
+// From this many rows on a bf16 work item runs as a PairedTile: below, most of its 16 lanes would idle.
+constexpr int64_t kMinPairedRows = 8;
+
+#ifdef __AVX512BF16__
+template <typename T, int kHeadDim>
+constexpr bool kPairs = std::is_same_v<T, bf16> && kHeadDim % 32 == 0;
+template <typename T, int kHeadDim>
+using PairedWorkspace = std::conditional_t<kPairs<T, kHeadDim>, std::unique_ptr<PairedTile<kHeadDim>>, std::nullptr_t>;
+#else
+template <typename T, int kHeadDim>
+using PairedWorkspace = std::nullptr_t;
+#endif
 
 struct AttentionArgs {
   void* out;
@@ -61,11 +76,12 @@ class PagedAttention {
     {
       std::vector<Row> rows(tokens_per_tile_ * group_);
       auto chunk = std::make_unique<Chunk>();
+      PairedWorkspace<T, kHeadDim> paired{};  // made at its first tile
 #pragma omp for schedule(dynamic, 1)
       for (int64_t item = 0; item < num_items; ++item) {
         const int64_t tile = item / a_.num_kv_heads;
         const int64_t req = std::upper_bound(first_tile.begin(), first_tile.end(), tile) - first_tile.begin() - 1;
-        attend_tile(req, item % a_.num_kv_heads, tile - first_tile[req], rows, *chunk);
+        attend_tile(req, item % a_.num_kv_heads, tile - first_tile[req], rows, *chunk, paired);
       }
     }
   }
@@ -81,13 +97,24 @@ class PagedAttention {
     vfloat values[kChunk][kVecs];
   };
 
-  void attend_tile(int64_t req, int64_t kv_head, int64_t tile, std::vector<Row>& rows, Chunk& chunk) const {
+  void attend_tile(int64_t req, int64_t kv_head, int64_t tile, std::vector<Row>& rows, Chunk& chunk,
+                   PairedWorkspace<T, kHeadDim>& paired) const {
     const int64_t query_start = a_.query_start_loc[req];
     const int64_t query_len = a_.query_start_loc[req + 1] - query_start;
     const int64_t first_token = tile * tokens_per_tile_;
     const int64_t num_tokens = std::min(tokens_per_tile_, query_len - first_token);
     const int64_t first_position = a_.seq_lens[req] - query_len + first_token;
     const int64_t num_rows = num_tokens * group_;
+#ifdef __AVX512BF16__
+    if constexpr (kPairs<T, kHeadDim>) {
+      if (num_rows >= kMinPairedRows && num_rows <= PairedTile<kHeadDim>::kMaxRows) {
+        if (!paired) paired.reset(new PairedTile<kHeadDim>);
+        paired->run(paired_rows(query_start + first_token, kv_head, num_rows, first_position),
+                    paired_context(req, kv_head), a_.scale);
+        return;
+      }
+    }
+#endif
     for (int64_t row = 0; row < num_rows; ++row) load_row(query_start + first_token, kv_head, row, rows[row]);
 
     const int64_t context_end = first_position + num_tokens;  // the last row sees up to here
@@ -101,6 +128,22 @@ class PagedAttention {
     }
     for (int64_t row = 0; row < num_rows; ++row) store_row(query_start + first_token, kv_head, row, rows[row]);
   }
+
+#ifdef __AVX512BF16__
+  PairedRows paired_rows(int64_t token, int64_t kv_head, int64_t num_rows, int64_t first_position) const {
+    return {query_head(token, kv_head, 0),
+            static_cast<T*>(a_.out) + token * a_.stride_out_token + kv_head * group_ * a_.stride_out_head,
+            num_rows, group_, a_.stride_query_token, a_.stride_query_head, a_.stride_out_token,
+            a_.stride_out_head, first_position};
+  }
+
+  PairedContext paired_context(int64_t req, int64_t kv_head) const {
+    const int64_t head = kv_head * a_.stride_cache_head;
+    return {static_cast<const T*>(a_.key_cache) + head, static_cast<const T*>(a_.value_cache) + head,
+            a_.block_tables + req * a_.stride_block_table, a_.block_size, a_.stride_cache_block,
+            a_.stride_cache_slot};
+  }
+#endif
 
   const T* query_head(int64_t token, int64_t kv_head, int64_t row) const {
     return static_cast<const T*>(a_.query) + (token + row / group_) * a_.stride_query_token +
