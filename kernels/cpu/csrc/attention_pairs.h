@@ -18,16 +18,12 @@
 
 namespace prefixserve {
 
-// One KV head's context of one request: position -> its key and value rows, through the block table.
+// One KV head's context of one request: its key and value rows through the block table.
 struct PairedContext {
   const bf16* key_cache;    // at the KV head
   const bf16* value_cache;  // at the KV head
   const int32_t* block_table;
   int64_t block_size, stride_block, stride_slot;
-
-  int64_t offset(int64_t position) const {
-    return block_table[position / block_size] * stride_block + position % block_size * stride_slot;
-  }
 };
 
 // A tile's query rows: row r is token r / group's query head r % group of the KV head's group.
@@ -63,14 +59,20 @@ class PairedTile {
     load_rows<kRowVecs>(rows);
     const int64_t num_tokens = (rows.num_rows + rows.group - 1) / rows.group;
     const int64_t context_end = rows.first_position + num_tokens;  // the last token sees up to here
+    int64_t block = 0, slot = 0;  // of the next position: no division per position
     for (int64_t start = 0; start < context_end; start += kPositions) {
       const int count = static_cast<int>(std::min<int64_t>(kPositions, context_end - start));
-      for (int c = 0; c < count; ++c) keys_[c] = context.key_cache + context.offset(start + c);
+      for (int c = 0; c < count; ++c) {
+        const int64_t offset = context.block_table[block] * context.stride_block + slot * context.stride_slot;
+        keys_[c] = context.key_cache + offset;
+        value_rows_[c] = context.value_cache + offset;
+        if (++slot == context.block_size) ++block, slot = 0;
+      }
       std::fill(keys_ + count, keys_ + kPositions, keys_[0]);  // scored, then masked: past every row's position
       score<kRowVecs>(scale * kLog2e);
       if (start + kPositions - 1 > rows.first_position) mask<kRowVecs>(start);
       const int num_pairs = (count + 1) / 2;
-      load_values(context, start, count);
+      load_values(count);
       update_softmax<kRowVecs>(num_pairs);
       accumulate<kRowVecs>(num_pairs);
     }
@@ -132,14 +134,14 @@ class PairedTile {
   }
 
   // values_[pair][dim] = (V[2 pair][dim], V[2 pair + 1][dim]) as bf16 bits, zeros past the context.
-  void load_values(const PairedContext& context, int64_t start, int count) {
+  void load_values(int count) {
     alignas(64) static constexpr uint16_t kLow[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
                                                       8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
     const __m512i low = _mm512_load_si512(kLow);
     const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
     for (int pair = 0; 2 * pair < count; ++pair) {
-      const bf16* first = context.value_cache + context.offset(start + 2 * pair);
-      const bf16* second = 2 * pair + 1 < count ? context.value_cache + context.offset(start + 2 * pair + 1) : nullptr;
+      const bf16* first = value_rows_[2 * pair];
+      const bf16* second = 2 * pair + 1 < count ? value_rows_[2 * pair + 1] : nullptr;
       for (int dim = 0; dim < kHeadDim; dim += 32) {
         const __m512i a = _mm512_loadu_si512(first + dim);
         const __m512i b = second ? _mm512_loadu_si512(second + dim) : _mm512_setzero_si512();
@@ -226,7 +228,8 @@ class PairedTile {
   alignas(64) float denominator_[kMaxRows];
   alignas(64) float rescale_[kMaxRows];
   alignas(64) int32_t position_[kMaxRows];  // the token each row belongs to
-  const bf16* keys_[kPositions];
+  const bf16* keys_[kPositions];  // the chunk's positions' rows
+  const bf16* value_rows_[kPositions];
 };
 
 }  // namespace prefixserve
