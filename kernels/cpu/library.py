@@ -64,14 +64,15 @@ class Kernel:
 
 
 @functools.cache
-def load() -> SimpleNamespace:
+def load(source_dir: Path = SOURCE_DIR) -> SimpleNamespace:
     """The kernels (paged_attention, rms_norm, ...), built first if this machine has no up-to-date
-    copy; BuildError if they cannot be. Each binds the signature its csrc/*.cpp declaration states."""
+    copy; BuildError if they cannot be. Each binds the signature its csrc/*.cpp declaration states.
+    Another checkout's source_dir gives its own kernels beside these (a benchmark's baseline)."""
     candidates = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "c++"]
     compiler = next(filter(None, map(shutil.which, candidates)), None)
     if compiler is None:
         raise BuildError(f"no C++ compiler found (tried {', '.join(candidates)}; set CXX, or install g++)")
-    sources = sorted(SOURCE_DIR.glob("*.cpp"))
+    sources = sorted(Path(source_dir).glob("*.cpp"))
     path = _cache_dir() / f"libprefixserve_cpu-{_build_key(compiler, sources)}.so"
     if not path.exists():
         _build(compiler, sources, path)
@@ -128,7 +129,7 @@ def _cache_dir() -> Path:
 
 def _build_key(compiler: str, sources: list[Path]) -> str:
     digest = hashlib.sha256()
-    for path in [*sources, *sorted(SOURCE_DIR.glob("*.h"))]:
+    for path in [*sources, *sorted(sources[0].parent.glob("*.h"))]:
         digest.update(path.name.encode() + path.read_bytes())
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     digest.update(" ".join([compiler, version, *FLAGS, platform.machine(), _cpu_flags()]).encode())

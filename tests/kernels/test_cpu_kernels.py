@@ -1,5 +1,6 @@
 """What only the CPU (C++) kernels do: bf16 and every head dim they take, their input checks, and
 the library cache. Their agreement with the references on small shapes is in test_kernels.py."""
+import shutil
 import subprocess
 import sys
 
@@ -8,6 +9,7 @@ import torch
 
 from kernels import get_ops
 from kernels.cpu import library
+from kernels.cpu.attention import kernel_args
 from tests.kernels.paged_batch import make_paged_batch
 
 pytestmark = pytest.mark.skipif(not library.available(), reason="no C++ compiler to build the CPU kernels")
@@ -109,6 +111,18 @@ def test_library_builds_once_per_cache_dir(tmp_path):
     built = list((tmp_path / "kernels").iterdir())
     assert len(built) == 1 and built[0].name.startswith("libprefixserve_cpu-") and built[0].suffix == ".so"
     assert runs[0].stdout == runs[1].stdout == f"{[built[0].name]}\n"
+
+
+def test_another_checkouts_kernels_load_beside_these(tmp_path, monkeypatch):
+    # a benchmark's baseline: other sources built into a library of their own, bound as these are
+    monkeypatch.setenv("PREFIXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    shutil.copytree(library.SOURCE_DIR, tmp_path / "csrc")
+    other = library.load(tmp_path / "csrc")
+    assert other is not library.load() and len(list((tmp_path / "cache" / "kernels").iterdir())) == 1
+    batch = make_paged_batch([5, 1], [40, 17], 6, 2, head_dim=64, seed=2)
+    args = kernel_args(*batch.args())
+    other.paged_attention(**args)
+    assert torch.equal(args["out"], cpu_ops.paged_attention(*batch.args()))
 
 
 def test_no_compiler_is_a_build_error(tmp_path, monkeypatch):
