@@ -1,5 +1,5 @@
 // One work item of paged attention in bf16 on the AVX512-BF16 dot product (vdpbf16ps), for tiles of many
-// query rows (prefill chunks): the rows sit in the vectors' lanes, up to kRowVecs * 16 of them, so that
+// query rows (prefill chunks): the rows sit in the vectors' lanes, up to 32 of them, so that
 //   scores[position][rows] += K[position][2p, 2p+1] . Q[rows][2p, 2p+1]    (one key pair broadcast)
 //   out[dim][rows] += (V[c][dim], V[c+1][dim]) . (P[c][rows], P[c+1][rows])  (one value pair broadcast)
 // take two multiply-adds an instruction with no lane ever reduced across, and the online softmax's maxima,
