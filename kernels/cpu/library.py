@@ -74,7 +74,8 @@ def load(source_dir: Path = SOURCE_DIR) -> SimpleNamespace:
     if compiler is None:
         raise BuildError(f"no C++ compiler found (tried {', '.join(candidates)}; set CXX, or install g++)")
     sources = sorted(Path(source_dir).glob("*.cpp"))
-    path = _cache_dir() / f"libprefixserve_cpu-{_build_key(compiler, sources)}.so"
+    headers = sorted(Path(source_dir).glob("*.h"))
+    path = _cache_dir() / f"libprefixserve_cpu-{_build_key(compiler, [*sources, *headers])}.so"
     if not path.exists():
         _build(compiler, sources, path)
     lib = ctypes.CDLL(str(path))
@@ -128,9 +129,9 @@ def _cache_dir() -> Path:
     return directory
 
 
-def _build_key(compiler: str, sources: list[Path]) -> str:
+def _build_key(compiler: str, files: list[Path]) -> str:
     digest = hashlib.sha256()
-    for path in [*sources, *sorted(sources[0].parent.glob("*.h"))]:
+    for path in files:
         digest.update(path.name.encode() + path.read_bytes())
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     digest.update(" ".join([compiler, version, *FLAGS, platform.machine(), _cpu_flags()]).encode())

@@ -19,8 +19,8 @@ def test_a_chunk_scores_each_token_against_the_context_up_to_it():
 
 def test_each_library_runs_every_layer_of_every_repeat():
     calls = []
-    counting = SimpleNamespace(paged_attention=lambda **args: calls.append(args["seq_lens"].tolist()))
+    fake_library = SimpleNamespace(paged_attention=lambda **args: calls.append(args["seq_lens"].tolist()))
     args = argparse.Namespace(seed=0, layers=3, dtype=torch.float32, repeat=2)
-    seconds = time_step(2, 20, 4, "random", args, [library.load(), counting])
+    seconds = time_step(2, 20, 4, "random", args, [library.load(), fake_library])
     assert len(seconds) == 2 and all(s > 0 for s in seconds)
     assert calls == [[20, 20]] * 3 * (1 + 2)  # a warm-up step, then the repeats

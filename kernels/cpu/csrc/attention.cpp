@@ -26,10 +26,9 @@ constexpr int kChunkVecs = 4;         // score vectors per online-softmax update
 constexpr int kChunk = kChunkVecs * kLanes;  // context positions per chunk
 constexpr int64_t kPrefetchBlocks = 2;      // how far ahead of the one being read a position's lines are asked for
 constexpr float kInfinity = std::numeric_limits<float>::infinity();
+#ifdef __AVX512BF16__
 // From this many rows on a bf16 work item runs as a PairedTile: below, most of its 16 lanes would idle.
 constexpr int64_t kMinPairedRows = 8;
-
-#ifdef __AVX512BF16__
 template <typename T, int kHeadDim>
 constexpr bool kPairs = std::is_same_v<T, bf16> && kHeadDim % 32 == 0;
 template <typename T, int kHeadDim>

@@ -221,7 +221,7 @@ class PairedTile {
 
   alignas(64) uint32_t query_[kPairs][kMaxRows];      // the rows' query pairs, bf16 bits, one lane a row
   alignas(64) float out_[kHeadDim][kMaxRows];         // the rows' weighted sums of values, one vector a dim
-  alignas(64) float scores_[kPositions][kMaxRows];    // the chunk's scores, then nothing (weights_ holds them)
+  alignas(64) float scores_[kPositions][kMaxRows];    // the chunk's scores, base 2, one vector a position
   alignas(64) uint32_t weights_[kPositions / 2][kMaxRows];  // (P[2 pair], P[2 pair + 1]) as bf16 bits
   alignas(64) uint32_t values_[kPositions / 2][kHeadDim];
   alignas(64) float max_[kMaxRows];
