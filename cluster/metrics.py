@@ -33,21 +33,33 @@ class RequestTracker:
 
     def __init__(self, metrics: "ServingMetrics", replica_id: str, arrival_time: float):
         self._metrics = metrics
-        self.replica_id = replica_id  # serving the request now: it changes if the request migrates
         self._arrival_time = arrival_time
         self._last_token_time: float | None = None
+        self.replica_id = replica_id
+
+    @property
+    def replica_id(self) -> str:
+        """The replica serving the request now: it changes if the request migrates."""
+        return self._replica_id
+
+    @replica_id.setter
+    def replica_id(self, replica_id: str) -> None:
+        # the series of every token, found once a replica rather than at each token (a lock and a lookup each)
+        self._replica_id = replica_id
+        self._itl = self._metrics.itl.labels(replica_id)
+        self._generation_tokens = self._metrics.generation_tokens.labels(replica_id)
 
     def observe(self, num_new_tokens: int, num_prompt_tokens: int, finished: bool) -> None:
         now = time.monotonic()
-        metrics, replica_id = self._metrics, self.replica_id
+        metrics, replica_id = self._metrics, self._replica_id
         if num_new_tokens:
             if self._last_token_time is None:
                 metrics.ttft.labels(replica_id).observe(now - self._arrival_time)
                 metrics.prompt_tokens.labels(replica_id).inc(num_prompt_tokens)
             else:
-                metrics.itl.labels(replica_id).observe(now - self._last_token_time)
+                self._itl.observe(now - self._last_token_time)
             self._last_token_time = now
-            metrics.generation_tokens.labels(replica_id).inc(num_new_tokens)
+            self._generation_tokens.inc(num_new_tokens)
         if finished:
             metrics.e2e.labels(replica_id).observe(now - self._arrival_time)
 

@@ -335,6 +335,9 @@ class TokenLogprob:
     top: list[tuple[str, float]]
 
 
+TEXT_MARKER = "\x00text"  # where a chunk's text goes in its template (no response id or model name holds it)
+
+
 class ResponseFormat(abc.ABC):
     """How one kind of endpoint (completions, chat) shapes one choice of its responses and stream chunks."""
 
@@ -346,6 +349,7 @@ class ResponseFormat(abc.ABC):
         self.model = model
         self.created = int(time.time())
         self.index = 0  # the choice's
+        self._text_chunk: tuple[int, str, str] | None = None  # for the choice of that index
 
     def for_choices(self, n: int) -> list["ResponseFormat"]:
         """One format per choice of a request with n of them (each keeps its own stream's state); itself for one."""
@@ -361,7 +365,19 @@ class ResponseFormat(abc.ABC):
         return self._envelope(self.object, choices, usage=usage_)
 
     def chunk(self, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None = None) -> str:
+        if text and finish_reason is None and logprobs is None:  # most of a stream: text alone, a template's
+            head, tail = self._text_chunk_halves()
+            return f"data: {head}{json.dumps(text)}{tail}\n\n"
         return sse(self._envelope(self.chunk_object, [self.chunk_choice(text, finish_reason, logprobs)]))
+
+    def _text_chunk_halves(self) -> tuple[str, str]:
+        """A chunk of text alone, as sse() writes it, split where the text goes (a third of dumping it whole)."""
+        if self._text_chunk is None or self._text_chunk[0] != self.index:
+            marker = json.dumps(TEXT_MARKER)
+            halves = json.dumps(self._envelope(self.chunk_object, [self.chunk_choice(TEXT_MARKER, None, None)]))
+            head, tail = halves.split(marker)
+            self._text_chunk = self.index, head, tail
+        return self._text_chunk[1:]
 
     def usage_chunk(self, usage_: dict[str, Any]) -> str:
         return sse(self._envelope(self.chunk_object, [], usage=usage_))

@@ -159,11 +159,12 @@ class OpenAIServing:
             for choice in choices:
                 for chunk in choice.format.opening_chunks():
                     yield chunk
-            async for choice, output in _outputs_in_turn(choices):
-                logprobs = choice.progress.add(output)
-                if (output.new_text or output.finished or logprobs) and \
-                        (chunk := choice.format.chunk(output.new_text, output.finish_reason, logprobs)):
+            for choice in choices:  # one after the other (the engines compute them together all the same)
+                if chunk := choice.chunk(choice.first):
                     yield chunk
+                async for output in choice.rest:
+                    if chunk := choice.chunk(output):
+                        yield chunk
             if include_usage:
                 yield choices[0].format.usage_chunk(_usage(choices))
         except ENGINE_ERRORS as exc:
@@ -185,12 +186,17 @@ class _Choice:
     format: ResponseFormat
     progress: _Progress
 
-    def outputs(self) -> AsyncIterator[EngineOutput]:
-        return _resumed(self.first, self.rest)
-
     async def collect(self) -> None:
-        async for output in self.outputs():
+        self.progress.add(self.first)
+        async for output in self.rest:
             self.progress.add(output)
+
+    def chunk(self, output: EngineOutput) -> str:
+        """The output taken in, as a stream's event ("" if it has nothing to send)."""
+        logprobs = self.progress.add(output)
+        if output.new_text or output.finished or logprobs:
+            return self.format.chunk(output.new_text, output.finish_reason, logprobs)
+        return ""
 
     def response_choice(self) -> dict[str, Any]:
         progress = self.progress
@@ -223,13 +229,6 @@ async def _started(engine: EngineClient, requests: list[EngineRequest]
     return streams, firsts
 
 
-async def _outputs_in_turn(choices: list[_Choice]) -> AsyncIterator[tuple[_Choice, EngineOutput]]:
-    """Every choice's outputs, one choice after the other (the engines compute them together all the same)."""
-    for choice in choices:
-        async for output in choice.outputs():
-            yield choice, output
-
-
 def _usage(choices: list[_Choice]) -> dict[str, Any]:
     """The prompt counted once, the choices' tokens together."""
     first = choices[0].progress
@@ -239,13 +238,6 @@ def _usage(choices: list[_Choice]) -> dict[str, Any]:
 
 def _replicas(replica_ids) -> str:
     return ",".join(dict.fromkeys(replica_ids))
-
-
-async def _resumed(first: EngineOutput, rest: AsyncIterator[EngineOutput]) -> AsyncIterator[EngineOutput]:
-    """first, then the rest of the stream it was taken from; closing that stream stays the caller's."""
-    yield first
-    async for output in rest:
-        yield output
 
 
 def internal_error() -> APIError:
