@@ -234,12 +234,13 @@ def _serve_on_a_local_cluster(config, host: str, port: int) -> None:
     import ray
     from ray import serve
 
-    from cluster.local_ray import init_local_ray, is_listened_on
+    from cluster.local_ray import init_local_ray, is_listened_on, slow_serve_control_loop
 
     if is_listened_on(host, port):
         sys.exit(f"prefixserve: {host}:{port} is already in use (another server listens there): "
                  "stop it or choose another --port")
     _import_the_app_meanwhile()
+    slow_serve_control_loop()
     init_local_ray(_local_num_cpus(config))
     _stop_on_sigterm()
     try:

@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from cluster.direct_ingress import haproxy_binary
-from cluster.local_ray import LOOPBACK, free_port
+from cluster.local_ray import LOOPBACK, SERVE_CONTROL_LOOP_INTERVAL_S, free_port
 
 from .test_e2e import MODEL
 
@@ -83,6 +83,13 @@ def test_it_serves_a_chat_from_a_ray_node_on_loopback(server):
     assert ("haproxy" in serving_processes) == (haproxy_binary() is not None)  # the direct front door where it can
 
 
+def test_serves_controller_loops_every_half_second_on_the_cluster_it_starts(server):
+    controllers = [process for process in psutil.Process(server.process.pid).children(recursive=True)
+                   if title_of(process).startswith("ray::ServeController")]  # its title names its method
+    assert len(controllers) == 1
+    assert controllers[0].environ()["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == SERVE_CONTROL_LOOP_INTERVAL_S == "0.5"
+
+
 def test_a_second_instance_on_its_port_exits_and_the_first_keeps_serving(server):
     second = subprocess.run([shutil.which("prefixserve"), "serve", "--port", str(server.port), *SERVE_FLAGS],
                             env=user_environment(), capture_output=True, text=True, timeout=120)
@@ -120,6 +127,14 @@ def name_of(process: psutil.Process) -> str | None:
         return process.name()
     except psutil.NoSuchProcess:
         return None
+
+
+def title_of(process: psutil.Process) -> str:
+    """A process's first word ("" if it is gone since it was listed): a Ray worker's title."""
+    try:
+        return (process.cmdline() or [""])[0]
+    except psutil.NoSuchProcess:
+        return ""
 
 
 def _listening(process: psutil.Process) -> list:
