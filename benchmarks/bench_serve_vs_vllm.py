@@ -213,6 +213,17 @@ def run_vllm_bench(anchor: Path, base_url: str, model: str, workload: Workload,
         return json.loads(Path(scratch, "result.json").read_text())
 
 
+def load_window(marks: dict[str, tuple[float, dict]]) -> tuple[tuple[float, dict], tuple[float, dict]]:
+    """The (time, CPU snapshot) marks of a load's start and end; a client that printed no cue for one is an error
+    that names it (a vllm bench serve whose output changed)."""
+    missing = [name for name in ("start", "end") if name not in marks]
+    if missing:
+        cues = {name: cue for cue, name in VLLM_BENCH_CUES}
+        raise RuntimeError(f"the load client gave no {' and no '.join(missing)} mark (vllm bench serve prints "
+                           f"{' and '.join(repr(cues[name]) for name in missing)})")
+    return marks["start"], marks["end"]
+
+
 def anchor_shell(anchor: Path, command: list[str], **env: str) -> list[str]:
     """command under the anchor's env.sh (offline mode, its caches and sockets under $ANCHOR_HOME)."""
     assignments = " ".join(f"{key}={shlex.quote(value)}" for key, value in env.items())
@@ -310,7 +321,7 @@ def bench_server(name: str, command: list[str], env: dict[str, str], args: argpa
                 results[workload.name] = run_vllm_bench(args.vllm_anchor, base_url, model, workload, mark)
             else:
                 results[workload.name] = asyncio.run(run_load(base_url, model, workload, mark))
-            (start_s, before), (end_s, after) = marks["start"], marks["end"]
+            (start_s, before), (end_s, after) = load_window(marks)
             result, num_tokens = results[workload.name], workload.output_len * len(workload.prompts)
             result["cpu_ms_per_token"] = cpu_ms_per_token(before, after, num_tokens)
             result["idle_cpu_ms_per_token"] = {label: ms * (end_s - start_s) / idle_s / num_tokens

@@ -195,3 +195,11 @@ def test_vllm_bench_marks_its_main_run_alone_as_it_prints_its_start_and_its_resu
     assert list(marks) == ["start", "end"]
     assert marks["end"] - marks["start"] >= 0.3 and ended - marks["end"] >= 0.3
     assert marks["start"] > started
+
+
+def test_a_load_without_a_mark_is_an_error_naming_the_cue_it_lacks():
+    assert bench.load_window({"start": (1.0, {}), "end": (2.0, {})}) == ((1.0, {}), (2.0, {}))
+    with pytest.raises(RuntimeError, match="no start mark .*'Starting main benchmark run'"):
+        bench.load_window({"end": (2.0, {})})
+    with pytest.raises(RuntimeError, match="no start and no end mark"):
+        bench.load_window({})
