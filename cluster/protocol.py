@@ -349,7 +349,7 @@ class ResponseFormat(abc.ABC):
         self.model = model
         self.created = int(time.time())
         self.index = 0  # the choice's
-        self._text_chunk: tuple[int, str, str] | None = None  # for the choice of that index
+        self._text_chunk: tuple[str, str] | None = None  # a text chunk's halves, made at the first
 
     def for_choices(self, n: int) -> list["ResponseFormat"]:
         """One format per choice of a request with n of them (each keeps its own stream's state); itself for one."""
@@ -358,6 +358,7 @@ class ResponseFormat(abc.ABC):
         formats = [copy.copy(self) for _ in range(n)]
         for index, choice_format in enumerate(formats):
             choice_format.index = index
+            choice_format._text_chunk = None  # its halves name its own index
         return formats
 
     def response(self, choices: list[dict[str, Any]], usage_: dict[str, Any]) -> dict[str, Any]:
@@ -371,13 +372,12 @@ class ResponseFormat(abc.ABC):
         return sse(self._envelope(self.chunk_object, [self.chunk_choice(text, finish_reason, logprobs)]))
 
     def _text_chunk_halves(self) -> tuple[str, str]:
-        """A chunk of text alone, as sse() writes it, split where the text goes (a third of dumping it whole)."""
-        if self._text_chunk is None or self._text_chunk[0] != self.index:
-            marker = json.dumps(TEXT_MARKER)
-            halves = json.dumps(self._envelope(self.chunk_object, [self.chunk_choice(TEXT_MARKER, None, None)]))
-            head, tail = halves.split(marker)
-            self._text_chunk = self.index, head, tail
-        return self._text_chunk[1:]
+        """A chunk of text alone, as sse() writes it, split where the text goes (a sixth of dumping it whole)."""
+        if self._text_chunk is None:
+            whole = json.dumps(self._envelope(self.chunk_object, [self.chunk_choice(TEXT_MARKER, None, None)]))
+            head, tail = whole.split(json.dumps(TEXT_MARKER))
+            self._text_chunk = head, tail
+        return self._text_chunk
 
     def usage_chunk(self, usage_: dict[str, Any]) -> str:
         return sse(self._envelope(self.chunk_object, [], usage=usage_))
